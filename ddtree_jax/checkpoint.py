@@ -1,0 +1,261 @@
+"""HF-format checkpoints (config.json + safetensors) for Qwen3 targets and DFlash drafters.
+
+Reads single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
+directories with the safetensors numpy API (never pickle). Torch ``Linear`` weights are
+``[out, in]``; ours are ``[in, out]`` with q/k/v and gate/up fused, so loading transposes and
+concatenates and saving splits and transposes back. Every tensor's name, shape and dtype is
+checked against the config before use. Targets use the ``model.`` prefix and ``lm_head.weight``
+(absent when ``tie_word_embeddings``); drafters have no prefix, plus ``fc`` and ``hidden_norm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from ddtree_jax.models.dflash import DFlashConfig, Drafter
+from ddtree_jax.models.layers import LayerShape, layer_shape
+from ddtree_jax.models.qwen3 import Qwen3Config, Target
+
+_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+_SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+# ---- per-layer name map ------------------------------------------------------------------
+
+def _layer_hf_shapes(s: LayerShape) -> dict[str, tuple[int, ...]]:
+    d, dh, hq, hkv, inter = s.hidden_size, s.head_dim, s.num_attention_heads, s.num_key_value_heads, s.intermediate_size
+    return {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+            "self_attn.q_proj.weight": (hq * dh, d), "self_attn.k_proj.weight": (hkv * dh, d),
+            "self_attn.v_proj.weight": (hkv * dh, d), "self_attn.o_proj.weight": (d, hq * dh),
+            "self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,),
+            "mlp.gate_proj.weight": (inter, d), "mlp.up_proj.weight": (inter, d), "mlp.down_proj.weight": (d, inter)}
+
+
+def _layer_from_hf(get, s: LayerShape) -> dict:
+    return {"input_norm": get("input_layernorm.weight"), "post_norm": get("post_attention_layernorm.weight"),
+            "wqkv": np.concatenate([get(f"self_attn.{n}_proj.weight").T for n in "qkv"], axis=1),
+            "q_norm": get("self_attn.q_norm.weight"), "k_norm": get("self_attn.k_norm.weight"),
+            "wo": get("self_attn.o_proj.weight").T,
+            "w_gate_up": np.concatenate([get("mlp.gate_proj.weight").T, get("mlp.up_proj.weight").T], axis=1),
+            "w_down": get("mlp.down_proj.weight").T}
+
+
+def _layer_to_hf(layer, s: LayerShape) -> dict:
+    q_cols, kv_cols = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    wq, wk, wv = np.split(layer["wqkv"], [q_cols, q_cols + kv_cols], axis=1)
+    w_gate, w_up = np.split(layer["w_gate_up"], 2, axis=1)
+    return {"input_layernorm.weight": layer["input_norm"], "post_attention_layernorm.weight": layer["post_norm"],
+            "self_attn.q_proj.weight": wq.T, "self_attn.k_proj.weight": wk.T, "self_attn.v_proj.weight": wv.T,
+            "self_attn.o_proj.weight": layer["wo"].T, "self_attn.q_norm.weight": layer["q_norm"],
+            "self_attn.k_norm.weight": layer["k_norm"], "mlp.gate_proj.weight": w_gate.T,
+            "mlp.up_proj.weight": w_up.T, "mlp.down_proj.weight": layer["w_down"].T}
+
+
+# ---- whole-model name maps ---------------------------------------------------------------
+
+def _target_hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    for i in range(cfg.num_hidden_layers):
+        shapes.update({f"model.layers.{i}.{n}": s for n, s in _layer_hf_shapes(layer_shape(cfg)).items()})
+    return shapes
+
+
+def _drafter_hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {"fc.weight": (cfg.hidden_size, cfg.num_features), "hidden_norm.weight": (cfg.hidden_size,),
+              "norm.weight": (cfg.hidden_size,)}
+    for i in range(cfg.num_hidden_layers):
+        shapes.update({f"layers.{i}.{n}": s for n, s in _layer_hf_shapes(layer_shape(cfg)).items()})
+    return shapes
+
+
+def _target_params(cfg: Qwen3Config, get) -> dict:
+    params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"),
+              "layers": [_layer_from_hf(lambda n, i=i: get(f"model.layers.{i}.{n}"), layer_shape(cfg))
+                         for i in range(cfg.num_hidden_layers)]}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight").T
+    return params
+
+
+def _drafter_params(cfg: DFlashConfig, get) -> dict:
+    return {"fc": get("fc.weight").T, "hidden_norm": get("hidden_norm.weight"), "final_norm": get("norm.weight"),
+            "layers": [_layer_from_hf(lambda n, i=i: get(f"layers.{i}.{n}"), layer_shape(cfg))
+                       for i in range(cfg.num_hidden_layers)]}
+
+
+def _target_tensors(target: Target) -> dict:
+    cfg, p = target.config, _to_numpy(target.params)
+    tensors = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = p["lm_head"].T
+    for i, layer in enumerate(p["layers"]):
+        tensors.update({f"model.layers.{i}.{n}": w for n, w in _layer_to_hf(layer, layer_shape(cfg)).items()})
+    return tensors
+
+
+def _drafter_tensors(drafter: Drafter) -> dict:
+    cfg, p = drafter.config, _to_numpy(drafter.params)
+    tensors = {"fc.weight": p["fc"].T, "hidden_norm.weight": p["hidden_norm"], "norm.weight": p["final_norm"]}
+    for i, layer in enumerate(p["layers"]):
+        tensors.update({f"layers.{i}.{n}": w for n, w in _layer_to_hf(layer, layer_shape(cfg)).items()})
+    return tensors
+
+
+def _to_numpy(params):
+    if isinstance(params, dict):
+        return {k: _to_numpy(v) for k, v in params.items()}
+    if isinstance(params, list):
+        return [_to_numpy(v) for v in params]
+    return np.asarray(params)
+
+
+# ---- public API --------------------------------------------------------------------------
+
+def load_target(path, dtype=None) -> Target:
+    """Load a Qwen3 target from an HF directory. ``dtype=None`` keeps the stored dtype."""
+    config = Qwen3Config.from_hf(_read_config(path))
+    # Tied checkpoints may still carry a copy of the embedding as lm_head.weight; it is unused.
+    optional = {"lm_head.weight": (config.vocab_size, config.hidden_size)} if config.tie_word_embeddings else {}
+    get, stored = _open_checked(path, _target_hf_shapes(config), optional)
+    return Target(config=config, params=_as_jax(_target_params(config, get), dtype or stored))
+
+
+def load_drafter(path, dtype=None) -> Drafter:
+    """Load a DFlash drafter from an HF directory. ``dtype=None`` keeps the stored dtype."""
+    config = DFlashConfig.from_hf(_read_config(path))
+    get, stored = _open_checked(path, _drafter_hf_shapes(config), {})
+    return Drafter(config=config, params=_as_jax(_drafter_params(config, get), dtype or stored))
+
+
+def save_target(path, target: Target, *, max_shard_bytes=None) -> None:
+    """Write ``target`` as an HF directory that ``transformers.Qwen3ForCausalLM`` opens.
+
+    With ``max_shard_bytes``, tensors are split over several files with an index json.
+    """
+    _save(path, target.config.to_hf(), _target_tensors(target), max_shard_bytes)
+
+
+def save_drafter(path, drafter: Drafter, *, max_shard_bytes=None) -> None:
+    """Write ``drafter`` as a DFlash HF directory (names without the ``model.`` prefix)."""
+    _save(path, drafter.config.to_hf(), _drafter_tensors(drafter), max_shard_bytes)
+
+
+# ---- files -------------------------------------------------------------------------------
+
+def _read_config(path) -> dict:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"no config.json in {path!r}")
+    with open(config_path) as f:
+        return json.load(f)
+
+
+def _weight_files(path) -> dict[str, list[str]]:
+    """``{file: [tensor names]}`` from the index json, or the single file's own names."""
+    index_path = os.path.join(path, _INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        return files
+    if not os.path.isfile(os.path.join(path, _SINGLE)):
+        raise ValueError(f"no {_SINGLE} or {_INDEX} in {path!r}")
+    with safe_open(os.path.join(path, _SINGLE), framework="np") as f:
+        return {_SINGLE: list(f.keys())}
+
+
+def _open_checked(path, expected, optional):
+    """Check names, shapes and dtypes of all tensors; return ``get(name) -> np.ndarray`` and the
+    common stored dtype."""
+    files = _weight_files(path)
+    location, dtypes = {}, set()
+    for file, names in files.items():
+        with safe_open(os.path.join(path, file), framework="np") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise ValueError(f"tensor {name!r} is listed in the index but missing from {file}")
+                if name not in expected and name not in optional:
+                    raise ValueError(f"unexpected tensor {name!r} in {file}")
+                if name in location:
+                    raise ValueError(f"tensor {name!r} appears in both {location[name]} and {file}")
+                tensor = f.get_slice(name)
+                want = expected.get(name, optional.get(name))
+                if tuple(tensor.get_shape()) != want:
+                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.get_shape())}, expected {want}")
+                if tensor.get_dtype() not in _DTYPES:
+                    raise ValueError(f"tensor {name!r} has dtype {tensor.get_dtype()}, expected one of {sorted(_DTYPES)}")
+                location[name] = file
+                dtypes.add(_DTYPES[tensor.get_dtype()])
+    missing = sorted(set(expected) - set(location))
+    if missing:
+        raise ValueError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) in {path!r}")
+
+    def get(name):
+        with safe_open(os.path.join(path, location[name]), framework="np") as f:
+            return f.get_tensor(name)
+
+    return get, jnp.result_type(*dtypes)
+
+
+def _as_jax(params, dtype):
+    if isinstance(params, dict):
+        return {k: _as_jax(v, dtype) for k, v in params.items()}
+    if isinstance(params, list):
+        return [_as_jax(v, dtype) for v in params]
+    return jnp.asarray(params.astype(dtype))
+
+
+def _save(path, hf_config, tensors, max_shard_bytes) -> None:
+    dtype_names = {_DTYPE_NAMES.get(t.dtype) for t in tensors.values()}
+    if None in dtype_names or len(dtype_names) != 1:
+        raise ValueError(f"can only save one of {sorted(_DTYPE_NAMES.values())} for all tensors, "
+                         f"got {sorted({str(t.dtype) for t in tensors.values()})}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**hf_config, "dtype": dtype_names.pop()}, f, indent=2, sort_keys=True)
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    shards = _shard(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        if os.path.exists(os.path.join(path, _INDEX)):  # a stale index would shadow the new file
+            os.remove(os.path.join(path, _INDEX))
+        save_file(tensors, os.path.join(path, _SINGLE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for k, names in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
+    with open(os.path.join(path, _INDEX), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+
+
+def _shard(tensors, max_shard_bytes) -> list[list[str]]:
+    """Greedy split of tensor names (in order) into groups of at most ``max_shard_bytes``
+    (a larger tensor gets a group of its own)."""
+    if max_shard_bytes is None:
+        return [list(tensors)]
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    shards, size = [[]], 0
+    for name, tensor in tensors.items():
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += tensor.nbytes
+    return shards

@@ -1,0 +1,279 @@
+"""DFlash block-diffusion drafter conditioned on target hidden features (see DFLASH.md).
+
+Params (``x @ W`` orientation): ``fc [len(target_layer_ids) * D, D]``, ``hidden_norm [D]``,
+``layers`` (Qwen3 decoder layers, see `layers.py`), ``final_norm [D]``. The drafter has no
+embedding or LM head: it uses the target's. Context tokens contribute keys and values only:
+their feature ``hidden_norm(taps @ fc)`` goes through each layer's ``k_proj`` (+ ``k_norm`` and
+RoPE at the token's position) and ``v_proj``; block tokens attend to them and to each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.models import layers as L
+from ddtree_jax.models.cache import KVCache, write_scratch
+from ddtree_jax.models.qwen3 import (Target, check_token_ids, config_fields_from_hf, config_fields_to_hf,
+                                     project_vocab, target_forward_nocache)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """DFlash drafter hyper-parameters: the Qwen3 layer fields (HF names) plus the DFlash ones.
+
+    ``target_layer_ids``: target layers whose output hidden states (HF ``hidden_states[id + 1]``)
+    form the context features; ``mask_token_id``: the token filling block slots 1..;
+    ``block_size``: root + ``block_size - 1`` drafted slots.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "num_target_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"DFlashConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.block_size, (int, np.integer)) or self.block_size < 2:
+            raise ValueError(f"DFlashConfig.block_size must be an int >= 2, got {self.block_size!r}")
+        if not self.target_layer_ids or not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise ValueError(f"DFlashConfig.target_layer_ids {self.target_layer_ids} must be non-empty ids "
+                             f"in [0, num_target_layers={self.num_target_layers})")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"DFlashConfig.mask_token_id={self.mask_token_id} outside [0, {self.vocab_size})")
+        if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
+            raise ValueError(f"DFlashConfig: need num_attention_heads ({self.num_attention_heads}) a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads}) and an even head_dim "
+                             f"({self.head_dim})")
+
+    @property
+    def num_features(self) -> int:
+        """Width F of the concatenated target taps."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]):
+        """From a DFlash ``config.json`` (``dflash_config: {target_layer_ids, mask_token_id}``)."""
+        hf = dict(hf)
+        hf.update(hf.get("dflash_config") or {})
+        return cls(**config_fields_from_hf(cls, hf))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``config.json`` dict of a DFlash checkpoint."""
+        hf = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+              "attention_bias": False}
+        hf.update(config_fields_to_hf(self))
+        hf["dflash_config"] = {"target_layer_ids": hf.pop("target_layer_ids"),
+                               "mask_token_id": hf.pop("mask_token_id")}
+        return hf
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])
+@dataclasses.dataclass
+class Drafter:
+    """A DFlash drafter: static ``config`` and a ``params`` pytree (see module docstring)."""
+
+    config: DFlashConfig
+    params: dict[str, Any]
+
+    @property
+    def dtype(self):
+        return self.params["fc"].dtype
+
+
+def init_drafter(config: DFlashConfig, key, dtype=jnp.bfloat16, *, std=0.02) -> Drafter:
+    """Random params: normal(0, std) matrices, norm weights near 1."""
+    key_fc, key_hn, key_fn, *layer_keys = jax.random.split(key, 3 + config.num_hidden_layers)
+    d = config.hidden_size
+    params = {
+        "fc": (std * jax.random.normal(key_fc, (config.num_features, d))).astype(dtype),
+        "hidden_norm": (1.0 + 0.1 * jax.random.normal(key_hn, (d,))).astype(dtype),
+        "layers": [L.init_layer(k, L.layer_shape(config), dtype, std) for k in layer_keys],
+        "final_norm": (1.0 + 0.1 * jax.random.normal(key_fn, (d,))).astype(dtype),
+    }
+    return Drafter(config=config, params=params)
+
+
+def context_features(drafter: Drafter, ctx_feats_BCF):
+    """``hidden_norm(taps @ fc)``: one ``[D]`` feature per context token, ``[B, C, D]``."""
+    feat_BCD = L.matmul(ctx_feats_BCF.astype(drafter.dtype), drafter.params["fc"])
+    return L.rms_norm(feat_BCD, drafter.params["hidden_norm"], drafter.config.rms_norm_eps)
+
+
+def drafter_head(drafter: Drafter, target: Target, hidden_BQD):
+    """Drafter final norm then the target's LM head: float32 logits ``[B, Q, V]``."""
+    h_BQD = L.rms_norm(hidden_BQD, drafter.params["final_norm"], drafter.config.rms_norm_eps)
+    return project_vocab(target, h_BQD.astype(target.dtype))
+
+
+def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state):
+    x_BQD = target.params["embed"][block_tokens_BQ].astype(drafter.dtype)
+    x_BQD, _, state = L.run_decoder(drafter.params["layers"], L.layer_shape(drafter.config), x_BQD,
+                                    block_positions_BQ, attend, state)
+    return x_BQD, state
+
+
+@jax.jit
+def _drafter_hidden(drafter, target, ctx_feats_BCF, ctx_positions_BC, block_tokens_BQ, block_positions_BQ, mask_BQK):
+    shape = L.layer_shape(drafter.config)
+    feat_BCD = context_features(drafter, ctx_feats_BCF)
+    no_prefix_B = jnp.zeros(block_tokens_BQ.shape[:1], jnp.int32)
+
+    def attend(i, q_BQHD, k_BQKD, v_BQKD, state):
+        ctx_k_BCKD, ctx_v_BCKD = L.key_value(drafter.params["layers"][i], feat_BCD, ctx_positions_BC, shape)
+        k_BKSD = jnp.concatenate([ctx_k_BCKD, k_BQKD], axis=1).transpose(0, 2, 1, 3)
+        v_BKSD = jnp.concatenate([ctx_v_BCKD, v_BQKD], axis=1).transpose(0, 2, 1, 3)
+        return L.attention(q_BQHD, k_BKSD, v_BKSD, no_prefix_B, mask_BQK, scale=shape.head_dim ** -0.5), state
+
+    return _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, None)[0]
+
+
+def drafter_hidden(drafter: Drafter, target: Target, ctx_feats_BCF, ctx_positions_BC, block_tokens_BQ,
+                   block_positions_BQ, mask_BQK):
+    """Cache-free drafter forward with an arbitrary mask (differentiable; used for training).
+
+    ``ctx_feats [B, C, F]`` are raw target taps (``F = len(target_layer_ids) * D``) at
+    ``ctx_positions [B, C]``; ``block_tokens [B, Q]`` at ``block_positions [B, Q]``;
+    ``mask [B, Q, C + Q]``: block query q sees context c iff ``mask[b, q, c]`` and block
+    slot q' iff ``mask[b, q, C + q']``. Returns the last layer's hidden ``[B, Q, D]``
+    (before the final norm; see `drafter_head`).
+    """
+    _check_pair(drafter, target)
+    batch, num_ctx = _check_context(drafter, ctx_feats_BCF, ctx_positions_BC)
+    if np.ndim(block_tokens_BQ) != 2 or np.shape(block_tokens_BQ)[0] != batch:
+        raise ValueError(f"block_tokens_BQ must have shape [{batch}, Q], got {np.shape(block_tokens_BQ)}")
+    num_block = np.shape(block_tokens_BQ)[1]
+    check_token_ids("block_tokens_BQ", block_tokens_BQ, target.config.vocab_size)
+    _check_int("block_positions_BQ", block_positions_BQ, (batch, num_block))
+    want = (batch, num_block, num_ctx + num_block)
+    if np.shape(mask_BQK) != want or jnp.result_type(mask_BQK) != jnp.bool_:
+        raise ValueError(f"mask_BQK must be a bool array of shape {want}, got "
+                         f"{jnp.result_type(mask_BQK)} {np.shape(mask_BQK)}")
+    return _drafter_hidden(drafter, target, ctx_feats_BCF, ctx_positions_BC, block_tokens_BQ,
+                           block_positions_BQ, mask_BQK)
+
+
+def _append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B):
+    shape = L.layer_shape(drafter.config)
+    feat_BCD = context_features(drafter, ctx_feats_BCF)
+    k_LBKSD, v_LBKSD = cache.k, cache.v
+    for i, layer in enumerate(drafter.params["layers"]):
+        k_BCKD, v_BCKD = L.key_value(layer, feat_BCD, ctx_positions_BC, shape)
+        k_LBKSD = write_scratch(k_LBKSD, i, k_BCKD, cache.lengths)
+        v_LBKSD = write_scratch(v_LBKSD, i, v_BCKD, cache.lengths)
+    lengths_B = jnp.minimum(cache.lengths + ctx_count_B.astype(jnp.int32), cache.max_len)
+    return KVCache(k=k_LBKSD, v=v_LBKSD, lengths=lengths_B)
+
+
+@jax.jit
+def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
+                     root_tokens_B, root_positions_B):
+    cfg = drafter.config
+    cache = _append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B)
+    batch = root_tokens_B.shape[0]
+    block_tokens_BQ = jnp.concatenate(
+        [root_tokens_B[:, None].astype(jnp.int32), jnp.full((batch, cfg.block_size - 1), cfg.mask_token_id, jnp.int32)], 1)
+    block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]
+    all_BQQ = jnp.ones((batch, cfg.block_size, cfg.block_size), bool)
+
+    def attend(i, q_BQHD, k_BQKD, v_BQKD, cache):
+        cache = KVCache(k=write_scratch(cache.k, i, k_BQKD, cache.lengths),
+                        v=write_scratch(cache.v, i, v_BQKD, cache.lengths), lengths=cache.lengths)
+        out = L.attention(q_BQHD, cache.k[i], cache.v[i], cache.lengths, all_BQQ, scale=cfg.head_dim ** -0.5)
+        return out, cache
+
+    hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache)
+    return drafter_head(drafter, target, hidden_BQD[:, 1:]), cache
+
+
+def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_BCF, ctx_positions_BC,
+                    ctx_count_B, root_tokens_B, root_positions_B):
+    """One drafting step with the drafter's context cache.
+
+    First appends context: the first ``ctx_count[b]`` of the C rows of ``ctx_feats [B, C, F]``
+    (raw target taps at ``ctx_positions [B, C]``) are projected to each layer's K/V and written
+    at slots ``[lengths, lengths + ctx_count)``, then ``lengths += ctx_count`` (later rows are
+    ignored). Then the block ``[root, MASK x (block_size - 1)]`` at positions
+    ``root_positions + arange(block_size)`` attends non-causally to all committed context and
+    to itself (its K/V use the scratch region and are never committed).
+    Returns ``draft_logits [B, block_size - 1, V]`` float32 (slot k predicts position
+    ``root_position + k``) and the cache. Needs ``lengths + C`` and
+    ``lengths + ctx_count + block_size`` within ``max_len`` (see `check_capacity`).
+    """
+    _check_pair(drafter, target)
+    batch, _ = _check_context(drafter, ctx_feats_BCF, ctx_positions_BC)
+    _check_int("ctx_count_B", ctx_count_B, (batch,))
+    check_token_ids("root_tokens_B", root_tokens_B, target.config.vocab_size)
+    if np.shape(root_tokens_B) != (batch,):
+        raise ValueError(f"root_tokens_B must have shape {(batch,)}, got {np.shape(root_tokens_B)}")
+    _check_int("root_positions_B", root_positions_B, (batch,))
+    cfg = drafter.config
+    want = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cache.max_len, cfg.head_dim)
+    if cache.k.shape != want or cache.v.shape != want or cache.lengths.shape != (batch,):
+        raise ValueError(f"cache: k {cache.k.shape}, v {cache.v.shape}, lengths {cache.lengths.shape} do "
+                         f"not match the drafter's (layers, batch, kv_heads, max_len, head_dim) = {want}")
+    return _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
+                            root_tokens_B, root_positions_B)
+
+
+def drafter_logits(drafter: Drafter, target: Target, token_ids_BT):
+    """Draft logits ``[B, block_size - 1, V]`` for sequences ``[B, T]``, no cache.
+
+    Context = the first T - 1 tokens (their target taps, at positions ``0 .. T-2``); root =
+    the last token at position T - 1; the block sees all context and itself.
+    """
+    cfg = drafter.config
+    _check_pair(drafter, target)
+    _, taps_BTF = target_forward_nocache(target, token_ids_BT, tap_layers=cfg.target_layer_ids)
+    batch, num = np.shape(token_ids_BT)
+    block_tokens_BQ = jnp.concatenate(
+        [jnp.asarray(token_ids_BT)[:, -1:], jnp.full((batch, cfg.block_size - 1), cfg.mask_token_id, jnp.int32)], 1)
+    positions_BT = jnp.broadcast_to(jnp.arange(num + cfg.block_size - 1, dtype=jnp.int32), (batch, num + cfg.block_size - 1))
+    mask_BQK = jnp.ones((batch, cfg.block_size, num - 1 + cfg.block_size), bool)
+    hidden_BQD = drafter_hidden(drafter, target, taps_BTF[:, :-1], positions_BT[:, :num - 1], block_tokens_BQ,
+                                positions_BT[:, num - 1:], mask_BQK)
+    return drafter_head(drafter, target, hidden_BQD[:, 1:])
+
+
+def _check_pair(drafter: Drafter, target: Target):
+    d, t = drafter.config, target.config
+    if d.hidden_size != t.hidden_size or d.vocab_size != t.vocab_size or d.num_target_layers != t.num_hidden_layers:
+        raise ValueError(f"drafter (hidden_size={d.hidden_size}, vocab_size={d.vocab_size}, num_target_layers="
+                         f"{d.num_target_layers}) does not fit the target (hidden_size={t.hidden_size}, "
+                         f"vocab_size={t.vocab_size}, num_hidden_layers={t.num_hidden_layers})")
+
+
+def _check_context(drafter, ctx_feats_BCF, ctx_positions_BC):
+    if np.ndim(ctx_feats_BCF) != 3 or np.shape(ctx_feats_BCF)[2] != drafter.config.num_features:
+        raise ValueError(f"ctx_feats_BCF must have shape [batch, C, {drafter.config.num_features}], "
+                         f"got {np.shape(ctx_feats_BCF)}")
+    if not jnp.issubdtype(jnp.result_type(ctx_feats_BCF), jnp.floating):
+        raise ValueError(f"ctx_feats_BCF must be floating, got dtype {jnp.result_type(ctx_feats_BCF)}")
+    batch, num_ctx = np.shape(ctx_feats_BCF)[:2]
+    _check_int("ctx_positions_BC", ctx_positions_BC, (batch, num_ctx))
+    return batch, num_ctx
+
+
+def _check_int(name, x, shape):
+    if np.shape(x) != shape or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+        raise ValueError(f"{name} must be an int array of shape {shape}, got {jnp.result_type(x)} {np.shape(x)}")

@@ -1,0 +1,259 @@
+"""Qwen3 target model (HF ``Qwen3ForCausalLM`` architecture) with a tree-verify KV cache.
+
+One forward serves prefill, decode and tree verify: N new tokens at given positions attend to
+the request's committed cache slots and to each other through a mask ``[B, N, N]``.
+Params (``x @ W`` orientation, layers unrolled as a list):
+``embed [V, D]``, ``layers`` (see `layers.py`), ``final_norm [D]``, ``lm_head [D, V]`` (absent
+when ``tie_word_embeddings``: the head is ``embed.T``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.models import layers as L
+from ddtree_jax.models.cache import KVCache, write_scratch
+
+_UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
+                "mlp_bias": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Qwen3 hyper-parameters, with HF ``config.json`` field names."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]):
+        """From a transformers ``config.json`` dict (4.x top-level ``rope_theta`` or 5.x
+        ``rope_parameters``). Raises ``ValueError`` for features this implementation lacks."""
+        return cls(**config_fields_from_hf(cls, hf))
+
+    def to_hf(self) -> dict[str, Any]:
+        """A ``config.json`` dict that ``transformers.Qwen3ForCausalLM`` loads."""
+        hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+              "attention_bias": False, "use_sliding_window": False}
+        hf.update(config_fields_to_hf(self))
+        return hf
+
+
+def config_fields_from_hf(cls, hf):
+    """The dataclass fields of ``cls`` read from an HF config dict (shared with DFlashConfig)."""
+    hf = dict(hf)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"config.json: only default RoPE is supported, got rope parameters {rope}")
+    if "rope_theta" not in hf and "rope_theta" in rope:
+        hf["rope_theta"] = rope["rope_theta"]
+    for key, supported in _UNSUPPORTED.items():
+        if hf.get(key, supported) != supported:
+            raise ValueError(f"config.json: {key}={hf[key]!r} is not supported (need {supported!r})")
+    if hf.get("head_dim") is None and "hidden_size" in hf and "num_attention_heads" in hf:
+        hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+    missing = required - hf.keys()
+    if missing:
+        raise ValueError(f"config.json: missing fields {sorted(missing)}")
+    return {k: v for k, v in hf.items() if k in names}
+
+
+def config_fields_to_hf(config):
+    """The dataclass fields of ``config`` as HF config entries (5.x ``rope_parameters`` added)."""
+    hf = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()}
+    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    return {k: v for k, v in hf.items() if v is not None}
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])
+@dataclasses.dataclass
+class Target:
+    """A Qwen3 target: static ``config`` and a ``params`` pytree (see module docstring)."""
+
+    config: Qwen3Config
+    params: dict[str, Any]
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+
+def init_target(config: Qwen3Config, key, dtype=jnp.bfloat16, *, std=0.02) -> Target:
+    """Random params: normal(0, std) matrices, norm weights near 1."""
+    shape = L.layer_shape(config)
+    key_embed, key_head, key_norm, *layer_keys = jax.random.split(key, 3 + config.num_hidden_layers)
+    params = {
+        "embed": (std * jax.random.normal(key_embed, (config.vocab_size, config.hidden_size))).astype(dtype),
+        "layers": [L.init_layer(k, shape, dtype, std) for k in layer_keys],
+        "final_norm": (1.0 + 0.1 * jax.random.normal(key_norm, (config.hidden_size,))).astype(dtype),
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = (std * jax.random.normal(key_head, (config.hidden_size, config.vocab_size))).astype(dtype)
+    return Target(config=config, params=params)
+
+
+def project_vocab(target: Target, h_BND):
+    """The LM head (``lm_head``, or ``embed.T`` when tied) without the final norm: float32
+    ``[B, N, V]``. The DFlash drafter applies it after its own final norm."""
+    if target.config.tie_word_embeddings:
+        return jnp.einsum("bnd,vd->bnv", h_BND, target.params["embed"], preferred_element_type=jnp.float32)
+    return jnp.matmul(h_BND, target.params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def lm_head(target: Target, hidden_BND):
+    """Final norm then the LM head: float32 logits ``[B, N, V]``."""
+    return project_vocab(target, L.rms_norm(hidden_BND, target.params["final_norm"], target.config.rms_norm_eps))
+
+
+def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers):
+    cfg = target.config
+    x_BND, taps, state = L.run_decoder(target.params["layers"], L.layer_shape(cfg), target.params["embed"][tokens_BN],
+                                       positions_BN, attend, state, tap_layers)
+    h_BND = L.rms_norm(x_BND, target.params["final_norm"], cfg.rms_norm_eps)
+    # As HF's hidden_states[id + 1], the last layer's tap is taken after the final norm.
+    taps = [h_BND if i == cfg.num_hidden_layers - 1 else tap for i, tap in zip(tap_layers, taps)]
+    taps_BNF = jnp.concatenate(taps, axis=-1) if taps else x_BND[..., :0]
+    return project_vocab(target, h_BND), taps_BNF, state
+
+
+@functools.partial(jax.jit, static_argnames="tap_layers")
+def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, tap_layers):
+    scale = target.config.head_dim ** -0.5
+
+    def attend(i, q_BNHD, k_BNKD, v_BNKD, cache):
+        cache = KVCache(k=write_scratch(cache.k, i, k_BNKD, cache.lengths),
+                        v=write_scratch(cache.v, i, v_BNKD, cache.lengths), lengths=cache.lengths)
+        out = L.attention(q_BNHD, cache.k[i], cache.v[i], cache.lengths, mask_BNN, scale=scale)
+        return out, cache
+
+    return _run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers)
+
+
+def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVCache, *, tap_layers=()):
+    """Forward of N new tokens per request over the cache (prefill, decode and tree verify).
+
+    ``tokens_BN`` int, ``positions_BN`` int (RoPE positions), ``mask_BNN`` bool: new token i
+    attends to every committed slot ``< cache.lengths[b]`` and to new token j iff
+    ``mask[b, i, j]``. The new K/V are written to the scratch slots
+    ``[lengths[b], lengths[b] + N)``; ``lengths`` is not advanced (use `commit`).
+    Returns ``logits_BNV`` float32, ``taps_BNF`` (the hidden states after each layer in
+    ``tap_layers``, concatenated in that order: HF ``hidden_states[id + 1]``, ``F = len * D``)
+    and the cache.
+    """
+    tap_layers = _check_taps(target.config, tap_layers)
+    _check_tokens(target.config, tokens_BN, positions_BN, mask_BNN)
+    cfg = target.config
+    want = (cfg.num_hidden_layers, tokens_BN.shape[0], cfg.num_key_value_heads, None, cfg.head_dim)
+    if cache.k.ndim != 5 or any(w is not None and w != s for w, s in zip(want, cache.k.shape)) \
+            or cache.v.shape != cache.k.shape or cache.lengths.shape != (tokens_BN.shape[0],):
+        raise ValueError(f"cache: k {cache.k.shape}, v {cache.v.shape}, lengths {cache.lengths.shape} "
+                         f"do not match (layers, batch, kv_heads, max_len, head_dim) = {want}")
+    return _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, tap_layers)
+
+
+@functools.partial(jax.jit, static_argnames="tap_layers")
+def _target_forward_nocache(target, tokens_BN, positions_BN, mask_BNN, tap_layers):
+    scale = target.config.head_dim ** -0.5
+    no_prefix_B = jnp.zeros(tokens_BN.shape[:1], jnp.int32)
+
+    def attend(i, q_BNHD, k_BNKD, v_BNKD, state):
+        out = L.attention(q_BNHD, k_BNKD.transpose(0, 2, 1, 3), v_BNKD.transpose(0, 2, 1, 3),
+                          no_prefix_B, mask_BNN, scale=scale)
+        return out, state
+
+    logits_BNV, taps_BNF, _ = _run_layers(target, tokens_BN, positions_BN, attend, None, tap_layers)
+    return logits_BNV, taps_BNF
+
+
+def target_forward_nocache(target: Target, tokens_BN, positions_BN=None, mask_BNN=None, *, tap_layers=()):
+    """Differentiable cache-free forward: token i attends to token j iff ``mask[b, i, j]``.
+
+    Defaults: ``positions = arange(N)``, causal mask. Returns ``(logits_BNV float32, taps_BNF)``
+    with the same meaning as `target_forward`.
+    """
+    batch, num = _batch_and_length(tokens_BN)
+    if positions_BN is None:
+        positions_BN = jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
+    if mask_BNN is None:
+        mask_BNN = jnp.broadcast_to(jnp.tril(jnp.ones((num, num), bool)), (batch, num, num))
+    tap_layers = _check_taps(target.config, tap_layers)
+    _check_tokens(target.config, tokens_BN, positions_BN, mask_BNN)
+    return _target_forward_nocache(target, tokens_BN, positions_BN, mask_BNN, tap_layers)
+
+
+def target_logits(target: Target, token_ids_BT):
+    """Causal logits ``[B, T, V]`` (float32) of full sequences ``[B, T]``, no cache."""
+    return target_forward_nocache(target, token_ids_BT)[0]
+
+
+def _check_taps(config, tap_layers):
+    tap_layers = tuple(int(i) for i in tap_layers)
+    bad = [i for i in tap_layers if not 0 <= i < config.num_hidden_layers]
+    if bad:
+        raise ValueError(f"tap_layers {tap_layers}: ids {bad} outside [0, {config.num_hidden_layers})")
+    return tap_layers
+
+
+def check_token_ids(name, tokens, vocab_size):
+    """Raise ``ValueError`` unless ``tokens`` is an int array with ids in ``[0, vocab_size)``
+    (values are checked only when concrete, i.e. outside jit)."""
+    if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(tokens)}")
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"{name} has ids outside [0, vocab_size={vocab_size}): "
+                         f"min {tokens.min()}, max {tokens.max()}")
+
+
+def _batch_and_length(tokens_BN):
+    if np.ndim(tokens_BN) != 2:
+        raise ValueError(f"tokens_BN must have shape [batch, N], got {np.shape(tokens_BN)}")
+    return np.shape(tokens_BN)
+
+
+def _check_tokens(config, tokens_BN, positions_BN, mask_BNN):
+    batch, num = _batch_and_length(tokens_BN)
+    if np.shape(positions_BN) != (batch, num):
+        raise ValueError(f"positions_BN must have shape {(batch, num)}, got {np.shape(positions_BN)}")
+    if np.shape(mask_BNN) != (batch, num, num):
+        raise ValueError(f"mask_BNN must have shape {(batch, num, num)}, got {np.shape(mask_BNN)}")
+    if jnp.result_type(mask_BNN) != jnp.bool_:
+        raise ValueError(f"mask_BNN must be boolean, got dtype {jnp.result_type(mask_BNN)}")
+    if not jnp.issubdtype(jnp.result_type(positions_BN), jnp.integer):
+        raise ValueError(f"positions_BN must be an integer array, got dtype {jnp.result_type(positions_BN)}")
+    check_token_ids("tokens_BN", tokens_BN, config.vocab_size)

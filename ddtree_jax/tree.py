@@ -1,0 +1,258 @@
+"""DDTree construction and its encodings (first-child/next-sibling, attention mask, positions).
+
+Conventions (DESIGN.md §2). Node 0 is the root (the round's input token). The budget ``B`` counts
+non-root nodes and every tree array has ``N = B + 1`` slots. Nodes are stored in the pop order of
+the best-first search: non-increasing cumulative draft log-probability ``logw``, ties broken towards
+the lexicographically smaller *rank tuple* (the per-depth rank of each token on the path, where
+rank = position in the depth's order by descending probability, ties by smaller token id). So a
+parent always precedes its children and siblings appear by descending draft probability.
+Unused slots are padding: ``parent = -1``, ``depth = 0``, ``token = 0``, ``logw = -inf``.
+
+``build_tree`` computes the heap's result without a heap. The drafter's per-depth distributions do
+not depend on the prefix, so the best ``B`` prefixes of depth ``d`` extend the best ``B`` prefixes
+of depth ``d - 1``: a width-``B`` beam per depth, then one global sort by (-logw, rank tuple), gives
+exactly the best-first pop order in about ``L`` fixed-shape steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from ddtree_jax import checks
+
+_MAX_BUDGET = 32768  # keeps the beam's (parent lex position * K + rank) key inside int32
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "parents", "depths", "logw", "num_nodes"],
+    meta_fields=["max_depth"],
+)
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """A batch of draft trees, node 0 = root, nodes in best-first pop order.
+
+    Attributes:
+      tokens: int32 ``[batch, N]`` token of each node (root = the round's input token).
+      parents: int32 ``[batch, N]`` parent node index, ``-1`` for the root and padding.
+      depths: int32 ``[batch, N]`` depth (root 0, drafts 1..L, padding 0).
+      logw: float32 ``[batch, N]`` cumulative draft log-probability (root 0, padding -inf).
+      num_nodes: int32 ``[batch]`` real nodes including the root.
+      max_depth: static ``L``, the deepest level a node can have.
+    """
+
+    tokens: Int[Array, "B N"]
+    parents: Int[Array, "B N"]
+    depths: Int[Array, "B N"]
+    logw: Float[Array, "B N"]
+    num_nodes: Int[Array, " B"]
+    max_depth: int
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["index", "next_token", "next_sibling"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class Retrieve:
+    """First-child/next-sibling encoding, int32 ``[batch, N]`` each.
+
+    ``index[b, k] = b * N + k`` (flat slot), ``next_token[b, k]`` = first child of ``k``,
+    ``next_sibling[b, k]`` = next sibling of ``k`` (children in ascending index), ``-1`` = none.
+    """
+
+    index: Int[Array, "B N"]
+    next_token: Int[Array, "B N"]
+    next_sibling: Int[Array, "B N"]
+
+
+def draft_log_probs(draft_logits: Float[Array, "... V"], temperature) -> Float[Array, "... V"]:
+    """float32 ``log_softmax(logits / temperature)`` as ``s - log(sum(exp(s)))``, ``s = z - max z``."""
+    z = draft_logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    s = z - jnp.max(z, axis=-1, keepdims=True)
+    return s - jnp.log(jnp.sum(jnp.exp(s), axis=-1, keepdims=True))
+
+
+def _beam_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Static (beam index i, rank r) pairs that can reach a depth's top-``budget``.
+
+    Every (i', r') with i' <= i and r' <= r precedes (i, r) in the total order, so (i, r) can be in
+    the top ``budget`` only if ``(i + 1) * (r + 1) <= budget``: about ``budget * ln(budget)`` pairs.
+    """
+    pairs = [(i, r) for i in range(budget) for r in range(min(k, budget // (i + 1)))]
+    beam_i, rank = np.array(pairs, np.int32).T
+    return beam_i, rank
+
+
+def _lex_positions(key: Int[Array, " W"], valid: Bool[Array, " W"]) -> Int[Array, " W"]:
+    """Position of each valid entry when sorted by ``key`` (invalid entries last)."""
+    order = jnp.argsort(jnp.where(valid, key, jnp.iinfo(jnp.int32).max), stable=True)
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def _build_one(lp_LV, root, *, budget: int, k: int):
+    """Tree of one request from its per-depth log-probabilities ``lp_LV``."""
+    depth_count = lp_LV.shape[0]
+    lp_LK, tok_LK = jax.lax.top_k(lp_LV, k)  # ties: lower token id first
+    tok_LK = tok_LK.astype(jnp.int32)
+    neg_inf = jnp.float32(-jnp.inf)
+    width = budget
+
+    # Depth 1: the beam is the K best tokens, already in (logw, rank) order; pad to the width.
+    pad = width - k
+    logw = jnp.concatenate([lp_LK[0], jnp.full((pad,), neg_inf)])
+    rank = jnp.concatenate([jnp.arange(k, dtype=jnp.int32), jnp.zeros((pad,), jnp.int32)])
+    ranks_WL = jnp.zeros((width, depth_count), jnp.int32).at[:, 0].set(rank + 1)
+    beams = [(logw, tok_LK[0, rank], jnp.full((width,), -1, jnp.int32), ranks_WL)]
+    lexpos = jnp.arange(width, dtype=jnp.int32)
+
+    pair_i, pair_r = map(jnp.asarray, _beam_pairs(width, k))
+    for d in range(1, depth_count):
+        prev_logw, _, _, prev_ranks = beams[-1]
+        cand_logw = prev_logw[pair_i] + lp_LK[d, pair_r]
+        cand_key = lexpos[pair_i] * k + pair_r
+        _, _, sel = jax.lax.sort(
+            (-cand_logw, cand_key, jnp.arange(cand_key.shape[0], dtype=jnp.int32)), num_keys=2
+        )
+        sel = sel[:width]
+        parent_i, r = pair_i[sel], pair_r[sel]
+        logw = cand_logw[sel]
+        ranks_WL = prev_ranks[parent_i].at[:, d].set(r + 1)
+        beams.append((logw, tok_LK[d, r], parent_i, ranks_WL))
+        lexpos = _lex_positions(cand_key[sel], jnp.isfinite(logw))
+
+    # Global best-first order over all depths: sort by (-logw, rank tuple), keep the first B.
+    logw_C = jnp.concatenate([b[0] for b in beams])
+    tok_C = jnp.concatenate([b[1] for b in beams])
+    parent_C = jnp.concatenate([b[2] for b in beams])
+    ranks_CL = jnp.concatenate([b[3] for b in beams])
+    depth_C = jnp.repeat(jnp.arange(1, depth_count + 1, dtype=jnp.int32), width)
+    num_c = logw_C.shape[0]
+    keys = (-logw_C, *[ranks_CL[:, j] for j in range(depth_count)])
+    order = jax.lax.sort((*keys, jnp.arange(num_c, dtype=jnp.int32)), num_keys=len(keys))[-1]
+    order = order[:budget]
+
+    node_of_C = jnp.full((num_c,), -1, jnp.int32).at[order].set(jnp.arange(1, budget + 1))
+    parent_flat = (depth_C - 2) * width + parent_C  # flat index of the parent candidate
+    parent_C = jnp.where(depth_C == 1, 0, node_of_C[jnp.maximum(parent_flat, 0)])
+
+    real = jnp.isfinite(logw_C[order])
+    pick = lambda x, fill: jnp.where(real, x[order], fill)  # noqa: E731
+    tokens = jnp.concatenate([root[None], pick(tok_C, 0)])
+    parents = jnp.concatenate([jnp.array([-1], jnp.int32), pick(parent_C, -1)])
+    depths = jnp.concatenate([jnp.array([0], jnp.int32), pick(depth_C, 0)])
+    logw = jnp.concatenate([jnp.zeros((1,), jnp.float32), pick(logw_C, neg_inf)])
+    return tokens.astype(jnp.int32), parents, depths, logw, 1 + jnp.sum(real, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "topk_cap"))
+def _build_tree(draft_logits, root_tokens, draft_temperature, *, budget, topk_cap):
+    depth_count, vocab = draft_logits.shape[1:]
+    k = min(budget, vocab) if topk_cap is None else min(topk_cap, budget, vocab)
+    lp_BLV = draft_log_probs(draft_logits, draft_temperature)
+    build = functools.partial(_build_one, budget=budget, k=k)
+    tokens, parents, depths, logw, num_nodes = jax.vmap(build)(lp_BLV, root_tokens.astype(jnp.int32))
+    return DraftTree(tokens, parents, depths, logw, num_nodes, max_depth=depth_count)
+
+
+def build_tree(
+    draft_logits: Float[Array, "B L V"],
+    root_tokens: Int[Array, " B"],
+    *,
+    budget: int,
+    topk_cap: int | None = None,
+    draft_temperature: float = 1.0,
+) -> DraftTree:
+    """Best-first DDTree of ``budget`` drafts per request (DDTree Algorithm 1, as a beam).
+
+    Args:
+      draft_logits: ``[batch, L, V]`` drafter logits; row ``d`` is the marginal of depth ``d + 1``.
+      root_tokens: int ``[batch]`` the round's input token (node 0).
+      budget: ``B >= 1`` non-root nodes; arrays get ``N = B + 1`` slots.
+      topk_cap: optional per-depth cap on the ranks considered (``1`` gives a DFlash chain of
+        ``min(B, L)`` drafts); ``None`` means ``min(B, V)``.
+      draft_temperature: ``> 0``; the draft log-probabilities are ``log_softmax(logits / t)``.
+
+    Returns:
+      ``DraftTree`` with ``max_depth = L``: the ``B`` most probable prefixes under the drafter's
+      factorised distribution, in pop order (see the module docstring).
+
+    Checks: shapes, dtypes and the scalar arguments always; finite logits and root ids ``< V``
+    when the inputs are concrete.
+    """
+    draft_logits = checks.array("draft_logits", draft_logits, ndim=3, kind="float")
+    root_tokens = checks.array("root_tokens", root_tokens, ndim=1, kind="int")
+    checks.same_leading("root_tokens", root_tokens, draft_logits.shape[:1])
+    if draft_logits.shape[1] < 1 or draft_logits.shape[2] < 2:
+        raise ValueError(f"draft_logits needs L >= 1 and V >= 2, got shape {draft_logits.shape}")
+    budget = checks.positive_int("budget", budget, maximum=_MAX_BUDGET)
+    if topk_cap is not None:
+        topk_cap = checks.positive_int("topk_cap", topk_cap)
+    if checks.is_concrete(draft_temperature) and not (
+        np.ndim(draft_temperature) == 0 and np.isfinite(draft_temperature) and draft_temperature > 0
+    ):
+        raise ValueError(f"draft_temperature must be a finite number > 0, got {draft_temperature!r}")
+    checks.finite("draft_logits", draft_logits)
+    checks.token_range("root_tokens", root_tokens, draft_logits.shape[2])
+    return _build_tree(
+        draft_logits, root_tokens, jnp.asarray(draft_temperature, jnp.float32), budget=budget, topk_cap=topk_cap
+    )
+
+
+def _first_child_next_sibling(parents_N: Int[Array, " N"]) -> tuple[Array, Array]:
+    """FCNS arrays of one tree from its parent array (children in ascending index)."""
+    n = parents_N.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    group = jnp.where(parents_N >= 0, parents_N, n)  # non-children sort last
+    group_s, idx_s = jax.lax.sort((group, idx), num_keys=2)
+    same_next = (group_s[1:] == group_s[:-1]) & (group_s[1:] < n)
+    next_sibling = jnp.full((n,), -1, jnp.int32).at[idx_s[:-1]].set(jnp.where(same_next, idx_s[1:], -1))
+    first = (group_s < n) & jnp.concatenate([jnp.array([True]), group_s[1:] != group_s[:-1]])
+    next_token = jnp.full((n,), -1, jnp.int32).at[jnp.where(first, group_s, n)].set(idx_s, mode="drop")
+    return next_token, next_sibling
+
+
+@jax.jit
+def compile_retrieve(tree: DraftTree) -> Retrieve:
+    """First-child/next-sibling encoding of ``tree`` (int32 ``[batch, N]`` arrays, ``-1`` = none)."""
+    batch, n = tree.parents.shape
+    next_token, next_sibling = jax.vmap(_first_child_next_sibling)(tree.parents)
+    index = jnp.arange(batch * n, dtype=jnp.int32).reshape(batch, n)
+    return Retrieve(index, next_token, next_sibling)
+
+
+def ancestor_ids(parents_BN: Int[Array, "B N"], max_depth: int) -> Int[Array, "B N A"]:
+    """``ids[b, i, t]`` = the ``t``-th ancestor of node ``i`` (``t = 0`` is ``i``), ``-1`` past the root.
+
+    ``A = max_depth + 1``. Padding nodes have only themselves.
+    """
+    chain = [jnp.arange(parents_BN.shape[1], dtype=jnp.int32)[None, :].repeat(parents_BN.shape[0], 0)]
+    for _ in range(max_depth):
+        cur = chain[-1]
+        up = jnp.take_along_axis(parents_BN, jnp.maximum(cur, 0), axis=1)
+        chain.append(jnp.where(cur >= 0, up, -1))
+    return jnp.stack(chain, axis=-1)
+
+
+@jax.jit
+def tree_attention_mask(tree: DraftTree) -> Bool[Array, "B N N"]:
+    """``mask[b, i, j]``: node ``i`` attends to node ``j`` iff ``j`` is ``i`` or an ancestor of ``i``.
+
+    Padding nodes attend only to themselves; real nodes never attend to padding.
+    """
+    ids_BNA = ancestor_ids(tree.parents, tree.max_depth)
+    n = tree.parents.shape[1]
+    return jnp.any(ids_BNA[:, :, :, None] == jnp.arange(n)[None, None, None, :], axis=2)
+
+
+def tree_positions(tree: DraftTree, prefix_len: Int[Array, " B"]) -> Int[Array, "B N"]:
+    """Absolute positions ``prefix_len + depth`` (the root sits at ``prefix_len``)."""
+    prefix_len = jnp.asarray(prefix_len, jnp.int32)
+    return prefix_len[:, None] + tree.depths

@@ -1,0 +1,81 @@
+"""Launch parameters of the Pallas kernels, keyed by CUDA compute capability.
+
+Only the Hopper entry was measured (on an H200, see ``experiments/bench_kernels.py``). The
+Blackwell entries are chosen by reasoning from the Hopper one and are marked unmeasured:
+
+- ``(10, 0)`` (B200-class, sm_100): about 1.7x the HBM bandwidth of an H200 and the same
+  228 KB of shared memory per SM, so the Hopper tiles with one more pipeline stage to keep more
+  loads in flight;
+- ``(12, 0)`` (RTX PRO 6000 / consumer Blackwell, sm_120): no wgmma/tcgen05, about 100 KB of
+  shared memory per SM and a third of the H200's bandwidth: smaller key blocks and two stages
+  so that the double-buffered K/V tiles fit, 4 warps.
+
+Ampere/Ada (``(8, x)``) get conservative defaults that also serve unknown GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeAttentionConfig:
+    """Tiling of the tree-attention kernel.
+
+    ``block_m``: packed query rows (tree nodes x query heads of one KV group) per program.
+    ``block_k``: keys per inner step. ``num_warps``/``num_stages``: Triton launch parameters.
+    ``min_programs``: the prefix is split (split-K) until the grid has at least this many
+    programs. ``min_chunk``: no split covers fewer than this many prefix slots.
+    ``measured``: whether the entry was tuned on that hardware.
+    """
+
+    block_m: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    min_programs: int = 256
+    min_chunk: int = 512
+    measured: bool = False
+
+    def __post_init__(self):
+        for name in ("block_m", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+TREE_ATTENTION_CONFIGS: dict[tuple[int, int], TreeAttentionConfig] = {
+    (8, 0): TreeAttentionConfig(),
+    (9, 0): TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=3,
+                                min_programs=264, min_chunk=512, measured=False),
+    (10, 0): TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=4,
+                                 min_programs=296, min_chunk=512),
+    (12, 0): TreeAttentionConfig(block_m=64, block_k=32, num_warps=4, num_stages=2,
+                                 min_programs=376, min_chunk=512),
+}
+
+
+def tree_attention_config(capability: tuple[int, int] | None = None) -> TreeAttentionConfig:
+    """The table entry for ``capability`` (default: the first local device's).
+
+    An exact match wins, then the entry of the same major version with the highest minor
+    version not above it, then the Ampere default.
+    """
+    if capability is None:
+        capability = device_capability()
+    if capability in TREE_ATTENTION_CONFIGS:
+        return TREE_ATTENTION_CONFIGS[capability]
+    same_major = [c for c in TREE_ATTENTION_CONFIGS if c[0] == capability[0] and c <= capability]
+    return TREE_ATTENTION_CONFIGS[max(same_major)] if same_major else TREE_ATTENTION_CONFIGS[(8, 0)]
+
+
+def device_capability() -> tuple[int, int]:
+    """Compute capability ``(major, minor)`` of the first local device; ``(0, 0)`` off CUDA."""
+    device = jax.local_devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability is None:
+        return (0, 0)
+    major, minor = str(capability).split(".")
+    return int(major), int(minor)

@@ -1,0 +1,272 @@
+"""Tree-verify attention: N new queries over a request's KV cache prefix plus the N tree keys.
+
+Same contract as ``ddtree_jax.models.layers.attention`` (see ``tree_attention_reference``).
+The Pallas kernel (Triton lowering) works per (request, KV head):
+
+- **GQA packing**: the N queries of the G query heads that share a KV head are stacked into
+  ``M = G * N`` rows (row ``g * N + i`` is node i of head g), so that even a 16-node tree
+  fills the rows of a matrix-unit tile and each K/V block is read once per group;
+- **split-K**: the prefix ``[0, lengths[b])`` is cut into static chunks, one program each,
+  so that small batches still fill the GPU; chunks past the request's length do no work;
+  the partial results are merged afterwards with their softmax residuals (running max and
+  sum, flash-decoding style);
+- **tree part**: the program whose chunk holds the end of the prefix also visits the new
+  keys at ``[lengths[b], lengths[b] + M)``, masked by the ancestor mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.configs import TreeAttentionConfig, device_capability, tree_attention_config
+from pallas_kernels.reference import tree_attention_reference
+
+BACKENDS = ("auto", "triton", "interpret", "xla")
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Masked scores: finite, so that a block with no visible key yields no NaN (its
+# probabilities are zeroed explicitly).
+_NEG = -1e30
+
+
+def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, backend="auto",
+                   config: TreeAttentionConfig | None = None):
+    """Masked GQA attention of N new queries over one layer's KV cache.
+
+    Args:
+      q_BNHD: ``[B, N, H, D]`` queries of the N new tokens.
+      k_BKSD, v_BKSD: ``[B, K, S, D]`` one layer's cache, already holding the M new keys and
+        values at slots ``[lengths[b], lengths[b] + M)``.
+      lengths_B: int ``[B]`` committed prefix length per request.
+      mask_BNM: bool ``[B, N, M]``; new slot ``lengths[b] + j`` is visible to query i iff
+        ``mask[b, i, j]``; every slot ``< lengths[b]`` is visible.
+      scale: softmax scale (a Python float).
+      backend: ``"triton"`` (Pallas Triton kernel on a CUDA GPU), ``"interpret"`` (the same
+        kernel interpreted, any platform), ``"xla"`` (``tree_attention_reference``) or
+        ``"auto"`` (triton on a CUDA GPU when the shapes are supported, else xla).
+      config: tiling; default from ``configs.tree_attention_config`` for the local GPU.
+
+    Returns:
+      ``[B, N, H, D]`` in ``q``'s dtype. Query head h reads KV head ``h // (H // K)``; softmax
+      in float32. A query that sees no slot at all gets zeros from the kernel (the reference
+      returns a finite average there); tree masks always let a node see itself.
+    """
+    _check_args(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale, backend)
+    if backend == "auto":
+        on_cuda = jax.default_backend() == "gpu" and device_capability() >= (8, 0)
+        backend = "triton" if on_cuda and kernel_supports(q_BNHD, k_BKSD) else "xla"
+    if backend == "xla":
+        return tree_attention_reference(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale=scale)
+    if not kernel_supports(q_BNHD, k_BKSD):
+        raise ValueError(f"backend={backend!r} needs a power-of-two head_dim >= 16 and float32, "
+                         f"bfloat16 or float16 q/k/v of one dtype; got head_dim={q_BNHD.shape[-1]}, "
+                         f"dtypes {q_BNHD.dtype}, {k_BKSD.dtype}, {v_BKSD.dtype}")
+    if config is None:
+        config = tree_attention_config(device_capability() if backend == "triton" else (8, 0))
+    return _tree_attention_pallas(q_BNHD, k_BKSD, v_BKSD, jnp.asarray(lengths_B, jnp.int32),
+                                  mask_BNM, scale=float(scale), config=config,
+                                  interpret=backend == "interpret")
+
+
+def kernel_supports(q_BNHD, k_BKSD) -> bool:
+    """Whether the Pallas kernel handles these shapes and dtypes."""
+    head_dim = q_BNHD.shape[-1]
+    return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and q_BNHD.dtype == k_BKSD.dtype
+            and any(q_BNHD.dtype == d for d in _KERNEL_DTYPES))
+
+
+def _check_args(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python number, got {scale!r}")
+    if q_BNHD.ndim != 4 or k_BKSD.ndim != 4:
+        raise ValueError(f"q must be [B, N, H, D] and k [B, K, S, D], got shapes "
+                         f"{q_BNHD.shape} and {k_BKSD.shape}")
+    batch, num_q, num_heads, head_dim = q_BNHD.shape
+    if v_BKSD.shape != k_BKSD.shape or k_BKSD.shape[0] != batch or k_BKSD.shape[3] != head_dim:
+        raise ValueError(f"k and v must be [B={batch}, K, S, D={head_dim}] alike, got shapes "
+                         f"{k_BKSD.shape} and {v_BKSD.shape}")
+    if num_heads % k_BKSD.shape[1]:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads "
+                         f"({k_BKSD.shape[1]})")
+    if tuple(jnp.shape(lengths_B)) != (batch,):
+        raise ValueError(f"lengths must have shape ({batch},), got {jnp.shape(lengths_B)}")
+    if mask_BNM.ndim != 3 or mask_BNM.shape[:2] != (batch, num_q) or mask_BNM.dtype != jnp.bool_:
+        raise ValueError(f"mask must be bool [B={batch}, N={num_q}, M], got {mask_BNM.dtype} "
+                         f"{mask_BNM.shape}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static tiling of one call: packed rows, tree-key blocks and the prefix split."""
+
+    block_m: int
+    rows_pad: int
+    block_t: int
+    new_pad: int
+    num_splits: int
+    chunk: int
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig) -> _Plan:
+    block_m = min(config.block_m, _pow2_at_least(rows, 16))
+    rows_pad = _round_up(rows, block_m)
+    block_t = min(config.block_k, _pow2_at_least(num_new, 16))
+    programs = batch * num_kv * (rows_pad // block_m)
+    wanted = -(-config.min_programs // programs)
+    splits = max(1, min(wanted, num_slots // config.min_chunk))
+    chunk = _round_up(-(-num_slots // splits), config.block_k)
+    return _Plan(block_m, rows_pad, block_t, _round_up(num_new, block_t),
+                 num_splits=-(-num_slots // chunk), chunk=chunk)
+
+
+def _attend(q_MD, k_ref, v_ref, start, key_ok_T, visible_MT, carry, *, scale, precision):
+    """One online-softmax step over the keys at ``[start, start + T)`` of a ``[S, D]`` cache."""
+    o_MD, m_M, l_M = carry
+    keys = pl.ds(start, key_ok_T.shape[0])
+    k_TD = plt.load(k_ref.at[keys, :], mask=key_ok_T[:, None], other=0)
+    v_TD = plt.load(v_ref.at[keys, :], mask=key_ok_T[:, None], other=0)
+    s_MT = plt.dot(q_MD, k_TD, trans_b=True, precision=precision) * scale
+    s_MT = jnp.where(visible_MT, s_MT, _NEG)
+    m_new_M = jnp.maximum(m_M, s_MT.max(axis=1))
+    p_MT = jnp.where(visible_MT, jnp.exp(s_MT - m_new_M[:, None]), 0.0)
+    alpha_M = jnp.exp(m_M - m_new_M)
+    o_MD = alpha_M[:, None] * o_MD + plt.dot(p_MT.astype(v_TD.dtype), v_TD, precision=precision)
+    return o_MD, m_new_M, alpha_M * l_M + p_MT.sum(axis=1)
+
+
+def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: _Plan,
+            num_new, block_k, precision):
+    """Program (b, kv head, row block, split): its prefix chunk, and the tree if it owns it."""
+    split = pl.program_id(3)
+    num_slots = k_ref.shape[0]
+    length = jnp.minimum(lengths_ref[()], num_slots)
+    q_MD = q_ref[...]
+    block_m, head_dim = q_MD.shape
+    attend = functools.partial(_attend, q_MD, k_ref, v_ref, scale=scale, precision=precision)
+    carry = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), _NEG, jnp.float32),
+             jnp.zeros((block_m,), jnp.float32))
+
+    lo = split * plan.chunk
+    hi = jnp.minimum(lo + plan.chunk, length)
+
+    def prefix_step(t, carry):
+        start = lo + t * block_k
+        key_ok = start + jnp.arange(block_k) < hi
+        return attend(start, key_ok, key_ok[None, :], carry)
+
+    carry = lax.fori_loop(0, lax.div(jnp.maximum(hi - lo, 0) + block_k - 1, block_k),
+                          prefix_step, carry)
+
+    def tree_step(t, carry):
+        cols = t * plan.block_t + jnp.arange(plan.block_t)
+        key_ok = (cols < num_new) & (length + cols < num_slots)
+        visible = mask_ref[:, pl.ds(t * plan.block_t, plan.block_t)] != 0
+        return attend(length + t * plan.block_t, key_ok, key_ok[None, :] & visible, carry)
+
+    owner = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), plan.chunk), plan.num_splits - 1)
+    num_tree_blocks = jnp.where(split == owner, plan.new_pad // plan.block_t, 0)
+    o_MD, m_M, l_M = lax.fori_loop(0, num_tree_blocks, tree_step, carry)
+
+    if plan.num_splits == 1:
+        [o_ref] = out_refs
+        o_ref[...] = (o_MD / jnp.where(l_M > 0, l_M, 1.0)[:, None]).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = o_MD
+        m_ref[...] = m_M
+        l_ref[...] = l_M
+
+
+def _pack_queries(q_BNHD, num_kv, rows_pad):
+    """``[B, N, H, D]`` -> ``[B, K, rows_pad, D]`` with row ``g * N + i`` = node i of head g."""
+    batch, num_q, num_heads, head_dim = q_BNHD.shape
+    group = num_heads // num_kv
+    q_BKMD = q_BNHD.reshape(batch, num_q, num_kv, group, head_dim).transpose(0, 2, 3, 1, 4)
+    q_BKMD = q_BKMD.reshape(batch, num_kv, group * num_q, head_dim)
+    return jnp.pad(q_BKMD, ((0, 0), (0, 0), (0, rows_pad - group * num_q), (0, 0)))
+
+
+def _unpack_output(o_BKMD, num_q, num_heads):
+    batch, num_kv, _, head_dim = o_BKMD.shape
+    group = num_heads // num_kv
+    o_BKGND = o_BKMD[:, :, :group * num_q].reshape(batch, num_kv, group, num_q, head_dim)
+    return o_BKGND.transpose(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
+
+
+def _row_mask(mask_BNM, group, rows_pad, new_pad):
+    """int8 ``[B, rows_pad, new_pad]``: packed row ``g * N + i`` takes node i's mask row."""
+    num_q, num_new = mask_BNM.shape[1:]
+    rows = jnp.arange(rows_pad)
+    mask_BRM = mask_BNM[:, rows % num_q, :] & (rows < group * num_q)[None, :, None]
+    return jnp.pad(mask_BRM, ((0, 0), (0, 0), (0, new_pad - num_new))).astype(jnp.int8)
+
+
+def _merge_splits(o_BKJMD, m_BKJM, l_BKJM):
+    """Combine per-split unnormalised outputs with their running max and sum (split axis 2)."""
+    m_max_BKM = m_BKJM.max(axis=2)
+    w_BKJM = jnp.exp(m_BKJM - m_max_BKM[:, :, None])
+    l_BKM = (w_BKJM * l_BKJM).sum(axis=2)
+    o_BKMD = (w_BKJM[..., None] * o_BKJMD).sum(axis=2)
+    return o_BKMD / jnp.where(l_BKM > 0, l_BKM, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def _tree_attention_pallas(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, config,
+                           interpret):
+    batch, num_q, num_heads, head_dim = q_BNHD.shape
+    _, num_kv, num_slots, _ = k_BKSD.shape
+    num_new = mask_BNM.shape[2]
+    group = num_heads // num_kv
+    plan = _plan(batch, num_kv, group * num_q, num_new, num_slots, config)
+    q_BKMD = _pack_queries(q_BNHD, num_kv, plan.rows_pad)
+    mask_BRM = _row_mask(mask_BNM, group, plan.rows_pad, plan.new_pad)
+    grid = (batch, num_kv, plan.rows_pad // plan.block_m, plan.num_splits)
+    exact = q_BNHD.dtype == jnp.float32
+    kernel = functools.partial(_kernel, scale=scale, plan=plan, num_new=num_new,
+                               block_k=config.block_k,
+                               precision=lax.Precision.HIGHEST if exact else None)
+    in_specs = [
+        pl.BlockSpec((None,), lambda b, h, r, j: (b,)),
+        pl.BlockSpec((None, None, plan.block_m, head_dim), lambda b, h, r, j: (b, h, r, 0)),
+        pl.BlockSpec((None, None, num_slots, head_dim), lambda b, h, r, j: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, num_slots, head_dim), lambda b, h, r, j: (b, h, 0, 0)),
+        pl.BlockSpec((None, plan.block_m, plan.new_pad), lambda b, h, r, j: (b, r, 0)),
+    ]
+    rows_shape = (batch, num_kv, plan.rows_pad)
+    if plan.num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((*rows_shape, head_dim), q_BNHD.dtype)]
+        out_specs = [pl.BlockSpec((None, None, plan.block_m, head_dim),
+                                  lambda b, h, r, j: (b, h, r, 0))]
+    else:
+        split_shape = (batch, num_kv, plan.num_splits, plan.rows_pad)
+        out_shape = [jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct(split_shape, jnp.float32),
+                     jax.ShapeDtypeStruct(split_shape, jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, plan.block_m, head_dim),
+                                  lambda b, h, r, j: (b, h, j, r, 0)),
+                     pl.BlockSpec((None, None, None, plan.block_m), lambda b, h, r, j: (b, h, j, r)),
+                     pl.BlockSpec((None, None, None, plan.block_m), lambda b, h, r, j: (b, h, j, r))]
+    outs = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+        interpret=interpret, name="tree_attention",
+    )(lengths_B, q_BKMD, k_BKSD, v_BKSD, mask_BRM)
+    o_BKMD = outs[0] if plan.num_splits == 1 else _merge_splits(*outs)
+    return _unpack_output(o_BKMD, num_q, num_heads).astype(q_BNHD.dtype)

@@ -1,0 +1,156 @@
+"""Tree-attention kernel vs the jnp reference (interpret mode on CPU) and its Triton lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import configs
+from pallas_kernels.configs import TreeAttentionConfig
+from pallas_kernels.reference import tree_attention_reference
+from pallas_kernels.tree_attention import _plan, _tree_attention_pallas, tree_attention
+
+# Small tiles so that CPU-sized problems exercise several splits, row blocks and tree blocks.
+SMALL = TreeAttentionConfig(block_m=16, block_k=16, min_programs=64, min_chunk=16)
+
+
+def random_tree_mask(rng, num_nodes, num_real):
+    """Ancestor mask of a random tree with ``num_real`` real nodes then padding nodes.
+
+    Real node i > 0 has a random parent < i; padding nodes see only themselves.
+    """
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, num_real)]
+    mask = np.eye(num_nodes, dtype=bool)
+    for i in range(1, num_real):
+        mask[i] |= mask[parents[i]]
+    return mask
+
+
+def make_inputs(seed, *, batch, num_q, heads, kv_heads, head_dim, slots, lengths, dtype,
+                num_new=None, padding=0):
+    rng = np.random.default_rng(seed)
+    num_new = num_q if num_new is None else num_new
+    q = rng.standard_normal((batch, num_q, heads, head_dim))
+    k = rng.standard_normal((batch, kv_heads, slots, head_dim))
+    v = rng.standard_normal((batch, kv_heads, slots, head_dim))
+    if num_new == num_q:
+        mask = np.stack([random_tree_mask(rng, num_q, num_q - padding) for _ in range(batch)])
+    else:
+        mask = rng.random((batch, num_q, num_new)) < 0.5
+        mask[:, :, 0] = True
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(lengths, jnp.int32), jnp.asarray(mask))
+
+
+def assert_close(out, ref, dtype):
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    assert out.dtype == ref.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=tol, rtol=tol)
+
+
+# (batch, N, H, K, head_dim, S, lengths, padding nodes, dtype)
+CASES = [
+    (1, 1, 1, 1, 16, 1, [0], 0, jnp.float32),  # decode-like, empty prefix
+    (1, 1, 4, 1, 32, 40, [39], 0, jnp.float32),  # one query, group 4
+    (2, 5, 4, 2, 16, 80, [10, 70], 0, jnp.float32),
+    (3, 17, 4, 4, 32, 300, [0, 283, 131], 3, jnp.float32),  # ragged, padding nodes
+    (2, 40, 8, 2, 64, 300, [260, 17], 5, jnp.float32),  # group 4, several row blocks
+    (3, 9, 2, 2, 64, 120, [111, 0, 64], 2, jnp.bfloat16),
+    (1, 40, 4, 2, 16, 300, [260], 0, jnp.bfloat16),
+    (2, 16, 8, 4, 32, 48, [32, 7], 4, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("config", [SMALL, TreeAttentionConfig()], ids=["small", "default"])
+@pytest.mark.parametrize("seed", range(len(CASES)),
+                         ids=[f"B{c[0]}N{c[1]}H{c[2]}K{c[3]}D{c[4]}S{c[5]}" for c in CASES])
+def test_interpret_matches_reference(seed, config):
+    batch, num_q, heads, kv_heads, head_dim, slots, lengths, padding, dtype = CASES[seed]
+    args = make_inputs(seed, batch=batch, num_q=num_q, heads=heads,
+                       kv_heads=kv_heads, head_dim=head_dim, slots=slots, lengths=lengths,
+                       dtype=dtype, padding=padding)
+    scale = head_dim ** -0.5
+    out = tree_attention(*args, scale=scale, backend="interpret", config=config)
+    assert_close(out, tree_attention_reference(*args, scale=scale), dtype)
+
+
+def test_more_new_keys_than_queries_and_under_jit():
+    args = make_inputs(7, batch=2, num_q=3, heads=4, kv_heads=2, head_dim=16, slots=64,
+                       lengths=[20, 50], dtype=jnp.float32, num_new=11)
+    fn = jax.jit(lambda *a: tree_attention(*a, scale=0.3, backend="interpret", config=SMALL))
+    assert_close(fn(*args), tree_attention_reference(*args, scale=0.3), jnp.float32)
+
+
+def test_stale_cache_slots_are_ignored():
+    """Slots past ``lengths + M`` must not change the output."""
+    q, k, v, lengths, mask = make_inputs(3, batch=2, num_q=6, heads=2, kv_heads=1, head_dim=16,
+                                         slots=96, lengths=[30, 70], dtype=jnp.float32)
+    base = tree_attention(q, k, v, lengths, mask, scale=0.25, backend="interpret", config=SMALL)
+    stale = jnp.arange(96)[None, None, :, None] >= lengths[:, None, None, None] + 6
+    k2, v2 = jnp.where(stale, 1e4, k), jnp.where(stale, -1e4, v)
+    out = tree_attention(q, k2, v2, lengths, mask, scale=0.25, backend="interpret", config=SMALL)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(base), atol=2e-5)
+
+
+def test_query_seeing_nothing_gets_zeros():
+    q, k, v, _, mask = make_inputs(5, batch=1, num_q=4, heads=2, kv_heads=2, head_dim=16,
+                                   slots=32, lengths=[0], dtype=jnp.float32)
+    mask = mask.at[0, 2, :].set(False)
+    out = tree_attention(q, k, v, jnp.zeros(1, jnp.int32), mask, scale=0.25, backend="interpret",
+                         config=SMALL)
+    ref = tree_attention_reference(q, k, v, jnp.zeros(1, jnp.int32), mask, scale=0.25)
+    np.testing.assert_array_equal(np.asarray(out[0, 2]), 0.0)
+    np.testing.assert_allclose(np.asarray(out[0, [0, 1, 3]]), np.asarray(ref[0, [0, 1, 3]]),
+                               atol=2e-5)
+
+
+def test_auto_is_xla_on_cpu():
+    args = make_inputs(1, batch=1, num_q=4, heads=2, kv_heads=1, head_dim=24, slots=20,
+                       lengths=[8], dtype=jnp.float32)
+    out = tree_attention(*args, scale=0.2)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(tree_attention_reference(*args, scale=0.2)))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(backend="cuda"), "backend"),
+    (dict(scale=jnp.float32(0.1)), "scale"),
+    (dict(head_dim=24, backend="interpret"), "head_dim"),
+    (dict(heads=3), "multiple of kv heads"),
+    (dict(lengths=[1, 2]), "lengths"),
+])
+def test_invalid_arguments(kwargs, match):
+    shape = dict(batch=1, num_q=4, heads=kwargs.pop("heads", 2), kv_heads=2,
+                 head_dim=kwargs.pop("head_dim", 16), slots=20, lengths=[8], dtype=jnp.float32)
+    q, k, v, lengths, mask = make_inputs(0, **shape)
+    lengths = jnp.asarray(kwargs.pop("lengths", lengths))
+    with pytest.raises(ValueError, match=match):
+        tree_attention(q, k, v, lengths, mask, **{"scale": 0.1, **kwargs})
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_triton_for_cuda(dtype):
+    """The kernel lowers to a Triton custom call for CUDA (catches lowering errors off-GPU)."""
+    shapes = [((2, 16, 32, 128), dtype), ((2, 8, 4096, 128), dtype), ((2, 8, 4096, 128), dtype),
+              ((2,), jnp.int32), ((2, 16, 16), jnp.bool_)]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    for config in (configs.tree_attention_config((9, 0)), SMALL):
+        fn = jax.jit(lambda *a: _tree_attention_pallas(*a, scale=0.1, config=config, interpret=False))
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text or "triton" in text.lower()
+
+
+@pytest.mark.parametrize("batch, rows, slots", [(1, 64, 65536), (16, 1024, 1024), (3, 20, 300)])
+def test_plan_covers_the_cache(batch, rows, slots):
+    plan = _plan(batch, 8, rows, 16, slots, configs.tree_attention_config((9, 0)))
+    assert plan.num_splits * plan.chunk >= slots > (plan.num_splits - 1) * plan.chunk
+    assert plan.rows_pad % plan.block_m == 0 and plan.rows_pad >= rows
+
+
+def test_config_lookup():
+    assert configs.tree_attention_config((9, 0)) is configs.TREE_ATTENTION_CONFIGS[(9, 0)]
+    assert configs.tree_attention_config((8, 9)) is configs.TREE_ATTENTION_CONFIGS[(8, 0)]
+    assert configs.tree_attention_config((12, 1)) is configs.TREE_ATTENTION_CONFIGS[(12, 0)]
+    assert not configs.TREE_ATTENTION_CONFIGS[(10, 0)].measured
+    with pytest.raises(ValueError, match="block_k"):
+        TreeAttentionConfig(block_k=48)

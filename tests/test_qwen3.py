@@ -1,0 +1,219 @@
+"""Qwen3 target: equivalence with transformers, tree verify == sequential decoding, input checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from ddtree_jax.checkpoint import load_target, save_target
+from ddtree_jax.models import (Qwen3Config, check_capacity, commit, init_cache, init_target, target_forward,
+                               target_forward_nocache, target_logits)
+
+VOCAB = 97
+
+
+def hf_model(*, tied, kv_heads, head_dim, seed=0):
+    """A tiny random fp32 Qwen3ForCausalLM with non-trivial norm weights."""
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tied, initializer_range=0.2,
+        max_position_embeddings=64, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids)[None])).logits[0].numpy()
+
+
+def causal(batch, num):
+    return jnp.broadcast_to(jnp.tril(jnp.ones((num, num), bool)), (batch, num, num))
+
+
+def prefill(target, prompts, max_len):
+    """Right-padded prefill of a list of prompts, then commit. Returns (logits_BNV, cache)."""
+    batch, num = len(prompts), max(map(len, prompts))
+    tokens = np.zeros((batch, num), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    cfg = target.config
+    cache = init_cache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim, target.dtype)
+    positions = jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
+    logits, _, cache = target_forward(target, jnp.asarray(tokens), positions, causal(batch, num), cache)
+    keep = jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
+    return logits, commit(cache, keep, jnp.asarray([len(p) for p in prompts], jnp.int32))
+
+
+def decode(target, cache, tokens_B, num_keep_B=None):
+    """One-token decode at position ``lengths`` then commit (``num_keep`` 1 by default)."""
+    batch = len(tokens_B)
+    logits, _, cache = target_forward(target, jnp.asarray(tokens_B, jnp.int32)[:, None], cache.lengths[:, None],
+                                      jnp.ones((batch, 1, 1), bool), cache)
+    num_keep_B = jnp.ones(batch, jnp.int32) if num_keep_B is None else jnp.asarray(num_keep_B, jnp.int32)
+    return logits[:, 0], commit(cache, jnp.zeros((batch, 1), jnp.int32), num_keep_B)
+
+
+@pytest.mark.parametrize("tied,kv_heads,head_dim", [(False, 1, 16), (True, 2, 32), (False, 4, 64), (True, 4, 48)])
+def test_prefill_decode_taps_match_transformers(tmp_path, tied, kv_heads, head_dim):
+    model = hf_model(tied=tied, kv_heads=kv_heads, head_dim=head_dim)
+    model.save_pretrained(tmp_path)
+    target = load_target(tmp_path)
+    assert target.params["embed"].dtype == jnp.float32 and ("lm_head" in target.params) == (not tied)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB, 5), rng.integers(0, VOCAB, 8)]
+    next_tokens = rng.integers(0, VOCAB, 2)
+
+    logits, cache = prefill(target, prompts, max_len=16)
+    decode_logits, cache = decode(target, cache, next_tokens)
+    for b, prompt in enumerate(prompts):
+        ref = hf_logits(model, np.append(prompt, next_tokens[b]))
+        np.testing.assert_allclose(logits[b, :len(prompt)], ref[:-1], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(decode_logits[b], ref[-1], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(cache.lengths, [6, 9])
+
+    ids = rng.integers(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        out = model(torch.tensor(ids), output_hidden_states=True)
+    logits_full, taps = target_forward_nocache(target, jnp.asarray(ids, jnp.int32), tap_layers=(1, 0))
+    np.testing.assert_allclose(logits_full, out.logits.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(taps, np.concatenate([out.hidden_states[2], out.hidden_states[1]], -1), atol=1e-4)
+    np.testing.assert_allclose(target_logits(target, jnp.asarray(ids, jnp.int32)), out.logits.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_saved_target_opens_in_transformers(tmp_path, tied):
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
+                         rope_theta=10000.0)
+    target = init_target(config, jax.random.key(0), jnp.float32, std=0.2)
+    save_target(tmp_path, target)
+    model = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path).eval()
+    assert model.config.tie_word_embeddings == tied
+    ids = np.random.default_rng(2).integers(0, VOCAB, (1, 6))
+    np.testing.assert_allclose(target_logits(target, jnp.asarray(ids, jnp.int32))[0], hf_logits(model, ids[0]),
+                               atol=1e-4, rtol=0)
+
+
+def small_target(seed=0, dtype=jnp.float32):
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    return init_target(config, jax.random.key(seed), dtype, std=0.2)
+
+
+def ancestor_mask(parents):
+    num = len(parents)
+    mask = np.eye(num, dtype=bool)
+    for i in range(num):
+        j = parents[i]
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def path_to(parents, node):
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def test_tree_verify_equals_sequential_decoding_and_commit():
+    target = small_target()
+    rng = np.random.default_rng(3)
+    parents = [-1, 0, 0, 1, 1, 2, 4, 3]
+    depths = np.array([len(path_to(parents, n)) - 1 for n in range(len(parents))])
+    prompts = [rng.integers(0, VOCAB, 3), rng.integers(0, VOCAB, 6)]
+    tree_tokens = rng.integers(0, VOCAB, (2, len(parents))).astype(np.int32)
+    _, prefix_cache = prefill(target, prompts, max_len=20)
+
+    positions = prefix_cache.lengths[:, None] + jnp.asarray(depths)[None]
+    mask = jnp.broadcast_to(jnp.asarray(ancestor_mask(parents)), (2, len(parents), len(parents)))
+    tree_logits, _, tree_cache = target_forward(target, jnp.asarray(tree_tokens), positions, mask, prefix_cache)
+
+    for node in range(len(parents)):
+        cache = prefix_cache
+        for step in path_to(parents, node):
+            logits, cache = decode(target, cache, tree_tokens[:, step])
+        np.testing.assert_allclose(tree_logits[:, node], logits, atol=1e-4, rtol=0, err_msg=f"node {node}")
+
+    accept = np.array([[0, 1, 4, 6], [0, 2, -1, -1]], np.int32)
+    num_keep = np.array([4, 2], np.int32)
+    committed = jax.jit(commit, donate_argnums=0)(tree_cache, jnp.asarray(accept), jnp.asarray(num_keep))
+    sequential = prefix_cache
+    for step in range(accept.shape[1]):
+        tokens = np.where(accept[:, step] >= 0, tree_tokens[np.arange(2), accept[:, step]], 0)
+        _, sequential = decode(target, sequential, tokens, num_keep_B=step < num_keep)
+    np.testing.assert_array_equal(committed.lengths, [3 + 4, 6 + 2])
+    np.testing.assert_array_equal(sequential.lengths, committed.lengths)
+    for b, length in enumerate(np.asarray(committed.lengths)):
+        np.testing.assert_allclose(committed.k[:, b, :, :length], sequential.k[:, b, :, :length], atol=1e-5)
+        np.testing.assert_allclose(committed.v[:, b, :, :length], sequential.v[:, b, :, :length], atol=1e-5)
+
+
+def test_forward_under_jit_and_bf16_close_to_fp32():
+    target = small_target()
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, (2, 6)), jnp.int32)
+    jitted = jax.jit(target_logits)(target, ids)
+    np.testing.assert_allclose(jitted, target_logits(target, ids), atol=1e-5)
+    target_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), target)
+    logits_bf16 = target_logits(target_bf16, ids)
+    assert logits_bf16.dtype == jnp.float32
+    fp32 = target_logits(target, ids)
+    assert np.abs(logits_bf16 - fp32).max() < 0.05 * np.abs(fp32).max()
+
+
+def test_config_reads_transformers_4_and_5_layouts():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                max_position_embeddings=32, model_type="qwen3", sliding_window=None)
+    v4 = Qwen3Config.from_hf({**base, "rope_theta": 5000.0, "rope_scaling": None})
+    v5 = Qwen3Config.from_hf({**base, "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}})
+    assert v4 == v5 and v4.rope_theta == 5000.0
+    assert Qwen3Config.from_hf(v4.to_hf()) == v4
+    with pytest.raises(ValueError, match="rope"):
+        Qwen3Config.from_hf({**base, "rope_parameters": {"rope_theta": 1.0, "rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        Qwen3Config.from_hf({**base, "rope_theta": 1.0, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        Qwen3Config(**{**{k: base[k] for k in base if k not in ("model_type", "sliding_window")}, "num_key_value_heads": 3})
+
+
+def test_bad_inputs_raise_clear_errors():
+    target = small_target()
+    cfg = target.config
+    cache = init_cache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 8, cfg.head_dim, jnp.float32)
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    positions = jnp.zeros((2, 3), jnp.int32)
+    mask = causal(2, 3)
+    with pytest.raises(ValueError, match="tokens_BN must be an integer"):
+        target_forward(target, tokens.astype(jnp.float32), positions, mask, cache)
+    with pytest.raises(ValueError, match="vocab_size=97"):
+        target_forward(target, tokens.at[1, 2].set(VOCAB), positions, mask, cache)
+    with pytest.raises(ValueError, match="vocab_size=97"):
+        target_logits(target, -jnp.ones((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match="mask_BNN must have shape"):
+        target_forward(target, tokens, positions, mask[:, :2], cache)
+    with pytest.raises(ValueError, match="mask_BNN must be boolean"):
+        target_forward(target, tokens, positions, mask.astype(jnp.int32), cache)
+    with pytest.raises(ValueError, match="positions_BN must have shape"):
+        target_forward(target, tokens, positions[:1], mask, cache)
+    with pytest.raises(ValueError, match="tokens_BN must have shape"):
+        target_logits(target, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="tap_layers"):
+        target_forward(target, tokens, positions, mask, cache, tap_layers=(2,))
+    with pytest.raises(ValueError, match="cache"):
+        target_forward(target, tokens[:1], positions[:1], mask[:1], cache)
+    with pytest.raises(ValueError, match="request 1 has length 6 .* max_len is 8"):
+        check_capacity(cache.__class__(k=cache.k, v=cache.v, lengths=jnp.asarray([0, 6], jnp.int32)), 3)
+    # Inside jit the ids are not concrete: no value check, and no error.
+    out = jax.jit(lambda t: target_forward(target, t, positions, mask, cache)[0])(tokens)
+    assert out.shape == (2, 3, VOCAB)
