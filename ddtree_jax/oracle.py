@@ -172,7 +172,7 @@ def build_tree(draft_logits, root_tokens, *, budget, topk_cap=None, draft_temper
         _build_one(logits_BLV[b], roots_B[b], budget, width, draft_temperature)
         for b in range(batch)
     ]
-    tokens, parents, depths, logws, num_nodes = zip(*rows)
+    tokens, parents, depths, logws, num_nodes = zip(*rows, strict=True)
     return Tree(
         tokens=np.array(tokens, dtype=np.int32).reshape(batch, budget + 1),
         parents=np.array(parents, dtype=np.int32).reshape(batch, budget + 1),
@@ -332,7 +332,7 @@ def _verify_result(paths, finals, slots, max_depth, candidates_BN):
     accept_index = np.full((batch, max_depth + 1), -1, dtype=np.int32)
     predicts = np.full((batch, slots), -1, dtype=np.int32)
     emitted = np.full((batch, max_depth + 1), -1, dtype=np.int32)
-    for b, (path, final) in enumerate(zip(paths, finals)):
+    for b, (path, final) in enumerate(zip(paths, finals, strict=True)):
         following = [int(candidates_BN[b, node]) for node in path[1:]] + [final]
         accept_index[b, : len(path)] = path
         predicts[b, path] = following

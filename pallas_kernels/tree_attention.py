@@ -180,7 +180,7 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
         return attend(length + t * plan.block_t, key_ok, key_ok[None, :] & visible, carry)
 
     owner = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), plan.chunk), plan.num_splits - 1)
-    num_tree_blocks = jnp.where(split == owner, plan.new_pad // plan.block_t, 0)
+    num_tree_blocks = lax.select(split == owner, jnp.int32(plan.new_pad // plan.block_t), jnp.int32(0))
     o_MD, m_M, l_M = lax.fori_loop(0, num_tree_blocks, tree_step, carry)
 
     if plan.num_splits == 1:

@@ -183,8 +183,8 @@ def test_build_tree_large_budget_and_vocab():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(budget=0), dict(budget=2.0), dict(budget=2, topk_cap=0),
-     dict(budget=2, draft_temperature=0.0), dict(budget=2, draft_temperature=np.inf)],
+    [{"budget": 0}, {"budget": 2.0}, {"budget": 2, "topk_cap": 0},
+     {"budget": 2, "draft_temperature": 0.0}, {"budget": 2, "draft_temperature": np.inf}],
 )
 def test_build_tree_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
@@ -286,7 +286,7 @@ def test_target_probs_large_top_k_matches_full_sort():
     rng = np.random.default_rng(2)
     logits = np.round(rng.normal(size=(2, 3000)), 1)  # many exact ties
     probs = oracle.target_probs(logits, 1.0, 40, 1.0)
-    for row, logits_row in zip(probs, logits):
+    for row, logits_row in zip(probs, logits, strict=True):
         kept = np.argsort(-logits_row, kind="stable")[:40]
         np.testing.assert_array_equal(np.sort(np.flatnonzero(row)), np.sort(kept))
 
@@ -399,7 +399,7 @@ def test_verify_greedy_requests_match_greedy_verification():
     greedy = oracle.tree_greedy_verify(
         tree.tokens, retrieve.next_token, retrieve.next_sibling, target_logits.argmax(-1),
         max_depth=3)
-    for got, want in zip(result, greedy):
+    for got, want in zip(result, greedy, strict=True):
         np.testing.assert_array_equal(got, want)
     assert result.num_accepted.max() >= 2
 
@@ -410,7 +410,8 @@ def test_verify_mixed_batch_equals_single_requests():
     tree = oracle.build_tree(rng.normal(size=(batch, 3, vocab)), [0, 1, 2, 3], budget=budget)
     target_logits = rng.normal(size=(batch, budget + 1, vocab))
     coins, final_coins = 1.0 - rng.random((batch, budget + 1)), 1.0 - rng.random(batch)
-    params = dict(temperature=[0.0, 1.0, 0.7, 1.5], top_k=[0, 0, 3, 2], top_p=[1.0, 0.8, 1.0, 0.9])
+    params = {"temperature": [0.0, 1.0, 0.7, 1.5], "top_k": [0, 0, 3, 2],
+              "top_p": [1.0, 0.8, 1.0, 0.9]}
     result = oracle.verify(tree, target_logits, coins=coins, final_coins=final_coins,
                            max_depth=3, **params)
     for b in range(batch):
@@ -418,7 +419,7 @@ def test_verify_mixed_batch_equals_single_requests():
             oracle.Tree(*(a[b: b + 1] for a in tree)), target_logits[b: b + 1],
             coins=coins[b: b + 1], final_coins=final_coins[b: b + 1], max_depth=3,
             **{name: value[b] for name, value in params.items()})
-        for got, want in zip(result, one):
+        for got, want in zip(result, one, strict=True):
             np.testing.assert_array_equal(got[b], want[0])
 
 
@@ -485,7 +486,8 @@ def test_expected_acceptance_is_the_mean_accepted_count(
     assert expected.shape == (1,)
     # Nodes deeper than max_depth are never accepted; expected_acceptance counts them all.
     reach = path_probs(tree, probs_NV)
-    beyond = sum(r for r, path in zip(reach, node_paths(tree)) if len(path) > max_depth)
+    depths = [len(path) for path in node_paths(tree)]
+    beyond = sum(r for r, depth in zip(reach, depths, strict=True) if depth > max_depth)
     assert (beyond > 0) == (max_depth < tree.depths.max())
     assert expected[0] == pytest.approx(mean_accepted + beyond, abs=1e-12)
 

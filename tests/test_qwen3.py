@@ -10,6 +10,7 @@ import transformers
 from ddtree_jax.checkpoint import load_target, save_target
 from ddtree_jax.models import (Qwen3Config, check_capacity, commit, init_cache, init_target, target_forward,
                                target_forward_nocache, target_logits)
+from ddtree_jax.tree import build_tree, tree_attention_mask, tree_positions
 
 VOCAB = 97
 
@@ -108,17 +109,6 @@ def small_target(seed=0, dtype=jnp.float32):
     return init_target(config, jax.random.key(seed), dtype, std=0.2)
 
 
-def ancestor_mask(parents):
-    num = len(parents)
-    mask = np.eye(num, dtype=bool)
-    for i in range(num):
-        j = parents[i]
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
 def path_to(parents, node):
     path = [node]
     while parents[path[-1]] >= 0:
@@ -129,30 +119,38 @@ def path_to(parents, node):
 def test_tree_verify_equals_sequential_decoding_and_commit():
     target = small_target()
     rng = np.random.default_rng(3)
-    parents = [-1, 0, 0, 1, 1, 2, 4, 3]
-    depths = np.array([len(path_to(parents, n)) - 1 for n in range(len(parents))])
     prompts = [rng.integers(0, VOCAB, 3), rng.integers(0, VOCAB, 6)]
-    tree_tokens = rng.integers(0, VOCAB, (2, len(parents))).astype(np.int32)
     _, prefix_cache = prefill(target, prompts, max_len=20)
+    draft_logits = jnp.asarray(rng.normal(size=(2, 3, VOCAB)) * 2, jnp.float32)
+    tree = build_tree(draft_logits, jnp.asarray([p[-1] for p in prompts], jnp.int32), budget=9)
+    parents, tree_tokens = np.asarray(tree.parents), np.asarray(tree.tokens)
+    assert np.asarray(tree.depths).max() >= 2
 
-    positions = prefix_cache.lengths[:, None] + jnp.asarray(depths)[None]
-    mask = jnp.broadcast_to(jnp.asarray(ancestor_mask(parents)), (2, len(parents), len(parents)))
-    tree_logits, _, tree_cache = target_forward(target, jnp.asarray(tree_tokens), positions, mask, prefix_cache)
+    tree_logits, _, tree_cache = target_forward(target, tree.tokens, tree_positions(tree, prefix_cache.lengths),
+                                                tree_attention_mask(tree), prefix_cache)
+    for node in range(parents.shape[1]):
+        paths = [path_to(parents[b], node) for b in range(2)]
+        cache, steps = prefix_cache, max(map(len, paths))
+        logits = [None, None]
+        for step in range(steps):
+            live = np.array([step < len(p) for p in paths])
+            tokens = [tree_tokens[b, paths[b][step]] if live[b] else 0 for b in range(2)]
+            step_logits, cache = decode(target, cache, tokens, num_keep_B=live)
+            logits = [step_logits[b] if live[b] else logits[b] for b in range(2)]
+        np.testing.assert_allclose(tree_logits[:, node], np.stack(logits), atol=1e-4, rtol=0, err_msg=f"node {node}")
 
-    for node in range(len(parents)):
-        cache = prefix_cache
-        for step in path_to(parents, node):
-            logits, cache = decode(target, cache, tree_tokens[:, step])
-        np.testing.assert_allclose(tree_logits[:, node], logits, atol=1e-4, rtol=0, err_msg=f"node {node}")
-
-    accept = np.array([[0, 1, 4, 6], [0, 2, -1, -1]], np.int32)
-    num_keep = np.array([4, 2], np.int32)
+    deepest = int(np.argmax(np.asarray(tree.depths)[0]))
+    accepted = [path_to(parents[0], deepest), [0]]
+    accept = np.full((2, 4), -1, np.int32)
+    for b, path in enumerate(accepted):
+        accept[b, :len(path)] = path
+    num_keep = np.array([len(p) for p in accepted], np.int32)
     committed = jax.jit(commit, donate_argnums=0)(tree_cache, jnp.asarray(accept), jnp.asarray(num_keep))
     sequential = prefix_cache
     for step in range(accept.shape[1]):
         tokens = np.where(accept[:, step] >= 0, tree_tokens[np.arange(2), accept[:, step]], 0)
         _, sequential = decode(target, sequential, tokens, num_keep_B=step < num_keep)
-    np.testing.assert_array_equal(committed.lengths, [3 + 4, 6 + 2])
+    np.testing.assert_array_equal(committed.lengths, [3, 6] + num_keep)
     np.testing.assert_array_equal(sequential.lengths, committed.lengths)
     for b, length in enumerate(np.asarray(committed.lengths)):
         np.testing.assert_allclose(committed.k[:, b, :, :length], sequential.k[:, b, :, :length], atol=1e-5)
@@ -196,9 +194,9 @@ def test_bad_inputs_raise_clear_errors():
     mask = causal(2, 3)
     with pytest.raises(ValueError, match="tokens_BN must be an integer"):
         target_forward(target, tokens.astype(jnp.float32), positions, mask, cache)
-    with pytest.raises(ValueError, match="vocab_size=97"):
+    with pytest.raises(ValueError, match=r"token ids in \[0, 97\)"):
         target_forward(target, tokens.at[1, 2].set(VOCAB), positions, mask, cache)
-    with pytest.raises(ValueError, match="vocab_size=97"):
+    with pytest.raises(ValueError, match=r"token ids in \[0, 97\)"):
         target_logits(target, -jnp.ones((1, 2), jnp.int32))
     with pytest.raises(ValueError, match="mask_BNN must have shape"):
         target_forward(target, tokens, positions, mask[:, :2], cache)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import checks
 from ddtree_jax.models import layers as L
 from ddtree_jax.models.cache import KVCache, write_scratch
 
@@ -133,11 +134,6 @@ def project_vocab(target: Target, h_BND):
     return jnp.matmul(h_BND, target.params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def lm_head(target: Target, hidden_BND):
-    """Final norm then the LM head: float32 logits ``[B, N, V]``."""
-    return project_vocab(target, L.rms_norm(hidden_BND, target.params["final_norm"], target.config.rms_norm_eps))
-
-
 def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers):
     cfg = target.config
     x_BND, taps, state = L.run_decoder(target.params["layers"], L.layer_shape(cfg), target.params["embed"][tokens_BN],
@@ -170,8 +166,8 @@ def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVC
     ``mask[b, i, j]``. The new K/V are written to the scratch slots
     ``[lengths[b], lengths[b] + N)``; ``lengths`` is not advanced (use `commit`).
     Returns ``logits_BNV`` float32, ``taps_BNF`` (the hidden states after each layer in
-    ``tap_layers``, concatenated in that order: HF ``hidden_states[id + 1]``, ``F = len * D``)
-    and the cache.
+    ``tap_layers``, concatenated in that order, ``F = len * D``: HF ``hidden_states[id + 1]``,
+    so the last layer's tap is after the final norm) and the cache.
     """
     tap_layers = _check_taps(target.config, tap_layers)
     _check_tokens(target.config, tokens_BN, positions_BN, mask_BNN)
@@ -232,12 +228,7 @@ def check_token_ids(name, tokens, vocab_size):
     (values are checked only when concrete, i.e. outside jit)."""
     if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
         raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(tokens)}")
-    if isinstance(tokens, jax.core.Tracer):
-        return
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise ValueError(f"{name} has ids outside [0, vocab_size={vocab_size}): "
-                         f"min {tokens.min()}, max {tokens.max()}")
+    checks.token_range(name, tokens, vocab_size)
 
 
 def _batch_and_length(tokens_BN):

@@ -1,0 +1,98 @@
+"""Equality of the compiled Pallas kernels with the jnp references on a GPU, over a grid of shapes.
+
+The CPU tests run the same kernels in interpret mode; this script runs the compiled (Triton)
+kernels on the device, over shapes too large for the CPU: contexts up to 64k, up to 512 tree
+nodes, GQA groups 1/4/8, head_dim 64/128, bf16 and fp32, batch up to 32, ragged lengths and
+padding nodes. The reference runs with float32 matmuls at full precision.
+
+    PYTHONPATH=. python experiments/check_kernels.py --out experiments/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.reference import tree_attention_reference
+from pallas_kernels.tree_attention import tree_attention
+
+# (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
+ATTENTION_CASES = [
+    (1, 1, 8, 8, 128, [0], 0, "float32"),
+    (4, 16, 32, 8, 128, [65536, 1, 40000, 777], 0, "bfloat16"),
+    (32, 64, 16, 2, 64, [4096, 0, 3000, 1234], 9, "bfloat16"),
+    (2, 512, 8, 2, 128, [8192, 5000], 100, "float32"),
+    (3, 40, 4, 4, 64, [0, 30000, 12345], 7, "float32"),
+    (4, 256, 32, 4, 128, [16384, 2048, 9999, 1], 30, "bfloat16"),
+    (1, 7, 32, 8, 128, [65536], 0, "bfloat16"),
+    (16, 64, 32, 8, 128, [1024], 0, "bfloat16"),
+]
+
+
+def random_tree_mask(rng, nodes, real):
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, real)]
+    mask = np.eye(nodes, dtype=bool)
+    for i in range(1, real):
+        mask[i] |= mask[parents[i]]
+    return mask
+
+
+def attention_case(seed, batch, nodes, heads, kv_heads, head_dim, contexts, padding, dtype):
+    rng = np.random.default_rng(seed)
+    lengths = np.resize(np.asarray(contexts), batch).astype(np.int32)
+    slots = int(lengths.max()) + nodes + 5
+    key_q, key_k, key_v = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(key_q, (batch, nodes, heads, head_dim), dtype)
+    k = jax.random.normal(key_k, (batch, kv_heads, slots, head_dim), dtype)
+    v = jax.random.normal(key_v, (batch, kv_heads, slots, head_dim), dtype)
+    mask = np.stack([random_tree_mask(rng, nodes, nodes - padding) for _ in range(batch)])
+    return q, k, v, jnp.asarray(lengths), jnp.asarray(mask)
+
+
+def check_attention():
+    records = []
+    for seed, (batch, nodes, heads, kv_heads, head_dim, contexts, padding, dtype) in enumerate(ATTENTION_CASES):
+        args = attention_case(seed, batch, nodes, heads, kv_heads, head_dim, contexts, padding,
+                              jnp.dtype(dtype))
+        scale = head_dim ** -0.5
+        record = dict(batch=batch, nodes=nodes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                      contexts=contexts, padding=padding, dtype=dtype)
+        start = time.perf_counter()
+        try:
+            out = np.asarray(tree_attention(*args, scale=scale, backend="triton"), np.float32)
+            with jax.default_matmul_precision("highest"):
+                ref = np.asarray(tree_attention_reference(*args, scale=scale), np.float32)
+        except Exception as err:  # noqa: BLE001 (recorded as a failed case)
+            record.update(ok=False, error=f"{type(err).__name__}: {str(err)[:2000]}")
+        else:
+            err = float(np.abs(out - ref).max())
+            tol = 1e-4 if dtype == "float32" else 3e-2
+            record.update(max_abs_err=err, tol=tol, ok=bool(err <= tol and np.isfinite(out).all()))
+        record["seconds"] = time.perf_counter() - start
+        print(record, flush=True)
+        records.append(record)
+    return records
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="experiments/results")
+    args = parser.parse_args(argv)
+    print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+    results = dict(attention=check_attention())
+    path = Path(args.out) / "check_kernels.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    failed = [r for rs in results.values() for r in rs if not r["ok"]]
+    print(f"{len(failed)} failed" if failed else "all ok", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
