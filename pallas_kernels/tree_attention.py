@@ -152,8 +152,8 @@ def _attend(q_MD, k_ref, v_ref, start, key_ok_T, visible_MT, carry, *, scale, pr
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: _Plan,
             num_new, block_k, precision):
-    """Program (b, kv head, row block, split): its prefix chunk, and the tree if it owns it."""
-    split = pl.program_id(3)
+    """Program (row block, split, b, kv head): its prefix chunk, and the tree if it owns it."""
+    split = pl.program_id(1)
     num_slots = k_ref.shape[0]
     length = jnp.minimum(lengths_ref[()], num_slots)
     q_MD = q_ref[...]
@@ -236,32 +236,34 @@ def _tree_attention_pallas(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale
     plan = _plan(batch, num_kv, group * num_q, num_new, num_slots, config)
     q_BKMD = _pack_queries(q_BNHD, num_kv, plan.rows_pad)
     mask_BRM = _row_mask(mask_BNM, group, plan.rows_pad, plan.new_pad)
-    grid = (batch, num_kv, plan.rows_pad // plan.block_m, plan.num_splits)
+    # Row blocks vary fastest in launch order, so that the programs reading one K/V chunk run
+    # together and share it through L2.
+    grid = (plan.rows_pad // plan.block_m, plan.num_splits, batch, num_kv)
     exact = q_BNHD.dtype == jnp.float32
     kernel = functools.partial(_kernel, scale=scale, plan=plan, num_new=num_new,
                                block_k=config.block_k,
                                precision=lax.Precision.HIGHEST if exact else None)
     in_specs = [
-        pl.BlockSpec((None,), lambda b, h, r, j: (b,)),
-        pl.BlockSpec((None, None, plan.block_m, head_dim), lambda b, h, r, j: (b, h, r, 0)),
-        pl.BlockSpec((None, None, num_slots, head_dim), lambda b, h, r, j: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, num_slots, head_dim), lambda b, h, r, j: (b, h, 0, 0)),
-        pl.BlockSpec((None, plan.block_m, plan.new_pad), lambda b, h, r, j: (b, r, 0)),
+        pl.BlockSpec((None,), lambda r, j, b, h: (b,)),
+        pl.BlockSpec((None, None, plan.block_m, head_dim), lambda r, j, b, h: (b, h, r, 0)),
+        pl.BlockSpec((None, None, num_slots, head_dim), lambda r, j, b, h: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, num_slots, head_dim), lambda r, j, b, h: (b, h, 0, 0)),
+        pl.BlockSpec((None, plan.block_m, plan.new_pad), lambda r, j, b, h: (b, r, 0)),
     ]
     rows_shape = (batch, num_kv, plan.rows_pad)
     if plan.num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((*rows_shape, head_dim), q_BNHD.dtype)]
         out_specs = [pl.BlockSpec((None, None, plan.block_m, head_dim),
-                                  lambda b, h, r, j: (b, h, r, 0))]
+                                  lambda r, j, b, h: (b, h, r, 0))]
     else:
         split_shape = (batch, num_kv, plan.num_splits, plan.rows_pad)
         out_shape = [jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct(split_shape, jnp.float32),
                      jax.ShapeDtypeStruct(split_shape, jnp.float32)]
         out_specs = [pl.BlockSpec((None, None, None, plan.block_m, head_dim),
-                                  lambda b, h, r, j: (b, h, j, r, 0)),
-                     pl.BlockSpec((None, None, None, plan.block_m), lambda b, h, r, j: (b, h, j, r)),
-                     pl.BlockSpec((None, None, None, plan.block_m), lambda b, h, r, j: (b, h, j, r))]
+                                  lambda r, j, b, h: (b, h, j, r, 0)),
+                     pl.BlockSpec((None, None, None, plan.block_m), lambda r, j, b, h: (b, h, j, r)),
+                     pl.BlockSpec((None, None, None, plan.block_m), lambda r, j, b, h: (b, h, j, r))]
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=config.num_warps,

@@ -7,9 +7,19 @@ import pytest
 from safetensors.numpy import load_file
 
 from ddtree_jax.checkpoint import save_drafter, save_target
-from ddtree_jax.models import (DFlashConfig, Qwen3Config, check_capacity, drafter_forward, drafter_head,
-                               drafter_hidden, drafter_logits, init_cache, init_drafter, init_target,
-                               target_forward_nocache)
+from ddtree_jax.models import (
+    DFlashConfig,
+    Qwen3Config,
+    check_capacity,
+    drafter_forward,
+    drafter_head,
+    drafter_hidden,
+    drafter_logits,
+    init_cache,
+    init_drafter,
+    init_target,
+    target_forward_nocache,
+)
 
 VOCAB, BLOCK = 61, 5
 
@@ -57,26 +67,23 @@ def reference_draft_logits(dw, tw, cfg: DFlashConfig, tied, ctx_taps_CF, ctx_pos
     block_pos = root_pos + np.arange(cfg.block_size)
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     for i in range(cfg.num_hidden_layers):
-        w = lambda n: dw[f"layers.{i}.{n}"]
-        h = rms(x, w("input_layernorm.weight"))
-        q = rotary(rms(heads(h @ w("self_attn.q_proj.weight").T, cfg.num_attention_heads),
-                       w("self_attn.q_norm.weight")), block_pos)
-
-        def keys(src, pos):
-            return rotary(rms(heads(src @ w("self_attn.k_proj.weight").T, cfg.num_key_value_heads),
-                              w("self_attn.k_norm.weight")), pos)
-
-        k = np.concatenate([keys(feat, ctx_pos_C), keys(h, block_pos)])
-        v = heads(np.concatenate([feat, h]) @ w("self_attn.v_proj.weight").T, cfg.num_key_value_heads)
+        w = {n[len(f"layers.{i}."):]: t for n, t in dw.items() if n.startswith(f"layers.{i}.")}
+        h = rms(x, w["input_layernorm.weight"])
+        q = rotary(rms(heads(h @ w["self_attn.q_proj.weight"].T, cfg.num_attention_heads),
+                       w["self_attn.q_norm.weight"]), block_pos)
+        k_norm, k_proj = w["self_attn.k_norm.weight"], w["self_attn.k_proj.weight"]
+        k = np.concatenate([rotary(rms(heads(src @ k_proj.T, cfg.num_key_value_heads), k_norm), pos)
+                            for src, pos in ((feat, ctx_pos_C), (h, block_pos))])
+        v = heads(np.concatenate([feat, h]) @ w["self_attn.v_proj.weight"].T, cfg.num_key_value_heads)
         out = np.zeros_like(q)
         for head in range(cfg.num_attention_heads):
             s = q[:, head] @ k[:, head // group].T / np.sqrt(cfg.head_dim)
             p = np.exp(s - s.max(-1, keepdims=True))
             out[:, head] = (p / p.sum(-1, keepdims=True)) @ v[:, head // group]
-        x = x + out.reshape(cfg.block_size, -1) @ w("self_attn.o_proj.weight").T
-        h = rms(x, w("post_attention_layernorm.weight"))
-        gate = h @ w("mlp.gate_proj.weight").T
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ w("mlp.up_proj.weight").T)) @ w("mlp.down_proj.weight").T
+        x = x + out.reshape(cfg.block_size, -1) @ w["self_attn.o_proj.weight"].T
+        h = rms(x, w["post_attention_layernorm.weight"])
+        gate = h @ w["mlp.gate_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
     head = tw["model.embed_tokens.weight"] if tied else tw["lm_head.weight"]
     return rms(x, dw["norm.weight"])[1:] @ head.T
 
@@ -169,8 +176,9 @@ def test_drafter_bad_inputs():
     drafter, target = make_pair()
     cache = init_cache(2, 1, 1, 12, 8, jnp.float32)
     taps = jnp.zeros((1, 2, drafter.config.num_features), jnp.float32)
-    args = dict(ctx_feats_BCF=taps, ctx_positions_BC=jnp.zeros((1, 2), jnp.int32), ctx_count_B=jnp.ones(1, jnp.int32),
-                root_tokens_B=jnp.zeros(1, jnp.int32), root_positions_B=jnp.ones(1, jnp.int32))
+    args = {"ctx_feats_BCF": taps, "ctx_positions_BC": jnp.zeros((1, 2), jnp.int32),
+            "ctx_count_B": jnp.ones(1, jnp.int32), "root_tokens_B": jnp.zeros(1, jnp.int32),
+            "root_positions_B": jnp.ones(1, jnp.int32)}
     drafter_forward(drafter, target, cache, **args)
     bad = [({"ctx_feats_BCF": taps[..., :-1]}, "ctx_feats_BCF must have shape"),
            ({"ctx_feats_BCF": taps.astype(jnp.int32)}, "ctx_feats_BCF must be floating"),

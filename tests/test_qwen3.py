@@ -8,8 +8,16 @@ import torch
 import transformers
 
 from ddtree_jax.checkpoint import load_target, save_target
-from ddtree_jax.models import (Qwen3Config, check_capacity, commit, init_cache, init_target, target_forward,
-                               target_forward_nocache, target_logits)
+from ddtree_jax.models import (
+    Qwen3Config,
+    check_capacity,
+    commit,
+    init_cache,
+    init_target,
+    target_forward,
+    target_forward_nocache,
+    target_logits,
+)
 from ddtree_jax.tree import build_tree, tree_attention_mask, tree_positions
 
 VOCAB = 97
@@ -73,6 +81,11 @@ def test_prefill_decode_taps_match_transformers(tmp_path, tied, kv_heads, head_d
     next_tokens = rng.integers(0, VOCAB, 2)
 
     logits, cache = prefill(target, prompts, max_len=16)
+    last, _, _ = target_forward(target, jnp.zeros((2, 8), jnp.int32).at[0, :5].set(prompts[0]).at[1].set(prompts[1]),
+                                jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8)), causal(2, 8),
+                                init_cache(2, 2, kv_heads, 16, head_dim, jnp.float32),
+                                logits_at_BK=jnp.asarray([[4], [7]], jnp.int32))
+    np.testing.assert_allclose(last[:, 0], logits[np.arange(2), [4, 7]], atol=1e-6)
     decode_logits, cache = decode(target, cache, next_tokens)
     for b, prompt in enumerate(prompts):
         ref = hf_logits(model, np.append(prompt, next_tokens[b]))
@@ -170,9 +183,9 @@ def test_forward_under_jit_and_bf16_close_to_fp32():
 
 
 def test_config_reads_transformers_4_and_5_layouts():
-    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                max_position_embeddings=32, model_type="qwen3", sliding_window=None)
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True, "max_position_embeddings": 32, "model_type": "qwen3", "sliding_window": None}
     v4 = Qwen3Config.from_hf({**base, "rope_theta": 5000.0, "rope_scaling": None})
     v5 = Qwen3Config.from_hf({**base, "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}})
     assert v4 == v5 and v4.rope_theta == 5000.0
@@ -210,6 +223,8 @@ def test_bad_inputs_raise_clear_errors():
         target_forward(target, tokens, positions, mask, cache, tap_layers=(2,))
     with pytest.raises(ValueError, match="cache"):
         target_forward(target, tokens[:1], positions[:1], mask[:1], cache)
+    with pytest.raises(ValueError, match=r"logits_at_BK must hold indices in \[0, 3\)"):
+        target_forward(target, tokens, positions, mask, cache, logits_at_BK=jnp.full((2, 1), 3, jnp.int32))
     with pytest.raises(ValueError, match="request 1 has length 6 .* max_len is 8"):
         check_capacity(cache.__class__(k=cache.k, v=cache.v, lengths=jnp.asarray([0, 6], jnp.int32)), 3)
     # Inside jit the ids are not concrete: no value check, and no error.

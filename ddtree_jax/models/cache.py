@@ -32,8 +32,8 @@ class KVCache:
 
 def init_cache(num_layers, batch, kv_heads, max_len, head_dim, dtype=jnp.bfloat16) -> KVCache:
     """An empty cache (zeros, ``lengths = 0``)."""
-    for name, value in dict(num_layers=num_layers, batch=batch, kv_heads=kv_heads,
-                            max_len=max_len, head_dim=head_dim).items():
+    sizes = {"num_layers": num_layers, "batch": batch, "kv_heads": kv_heads, "max_len": max_len, "head_dim": head_dim}
+    for name, value in sizes.items():
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
     shape = (num_layers, batch, kv_heads, max_len, head_dim)
@@ -52,6 +52,15 @@ def check_capacity(cache: KVCache, num_new) -> None:
     for b in np.flatnonzero(needed_B > cache.max_len):
         raise ValueError(f"KV cache overflow: request {b} has length {lengths_B[b]} and needs "
                          f"{needed_B[b] - lengths_B[b]} more slots, but max_len is {cache.max_len}")
+
+
+def check_cache_shape(cache: KVCache, *, num_layers, batch, kv_heads, head_dim) -> None:
+    """Raise ``ValueError`` unless the cache fits a model with these sizes and this batch."""
+    max_len = cache.k.shape[3] if cache.k.ndim == 5 else None
+    want = (num_layers, batch, kv_heads, max_len, head_dim)
+    if cache.k.shape != want or cache.v.shape != want or cache.lengths.shape != (batch,):
+        raise ValueError(f"cache: k {cache.k.shape}, v {cache.v.shape}, lengths {cache.lengths.shape} do not "
+                         f"match (layers, batch, kv_heads, max_len, head_dim) = {want} and lengths ({batch},)")
 
 
 def write_scratch(cache_LBKSD, layer, new_BNKD, lengths_B):

@@ -18,9 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.models import layers as L
-from ddtree_jax.models.cache import KVCache, write_scratch
-from ddtree_jax.models.qwen3 import (Target, check_token_ids, config_fields_from_hf, config_fields_to_hf,
-                                     project_vocab, target_forward_nocache)
+from ddtree_jax.models.cache import KVCache, check_cache_shape, write_scratch
+from ddtree_jax.models.qwen3 import (
+    Target,
+    check_token_ids,
+    config_fields_from_hf,
+    config_fields_to_hf,
+    project_vocab,
+    target_forward_nocache,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +132,12 @@ def drafter_head(drafter: Drafter, target: Target, hidden_BQD):
     return project_vocab(target, h_BQD.astype(target.dtype))
 
 
+def _block_tokens(cfg: DFlashConfig, root_tokens_B):
+    """``[root, MASK x (block_size - 1)]`` per request: int32 ``[B, block_size]``."""
+    masks_BL = jnp.full((root_tokens_B.shape[0], cfg.block_size - 1), cfg.mask_token_id, jnp.int32)
+    return jnp.concatenate([root_tokens_B[:, None].astype(jnp.int32), masks_BL], axis=1)
+
+
 def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state):
     x_BQD = target.params["embed"][block_tokens_BQ].astype(drafter.dtype)
     x_BQD, _, state = L.run_decoder(drafter.params["layers"], L.layer_shape(drafter.config), x_BQD,
@@ -191,8 +203,7 @@ def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ct
     cfg = drafter.config
     cache = _append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B)
     batch = root_tokens_B.shape[0]
-    block_tokens_BQ = jnp.concatenate(
-        [root_tokens_B[:, None].astype(jnp.int32), jnp.full((batch, cfg.block_size - 1), cfg.mask_token_id, jnp.int32)], 1)
+    block_tokens_BQ = _block_tokens(cfg, root_tokens_B)
     block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]
     all_BQQ = jnp.ones((batch, cfg.block_size, cfg.block_size), bool)
 
@@ -228,10 +239,8 @@ def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_
         raise ValueError(f"root_tokens_B must have shape {(batch,)}, got {np.shape(root_tokens_B)}")
     _check_int("root_positions_B", root_positions_B, (batch,))
     cfg = drafter.config
-    want = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cache.max_len, cfg.head_dim)
-    if cache.k.shape != want or cache.v.shape != want or cache.lengths.shape != (batch,):
-        raise ValueError(f"cache: k {cache.k.shape}, v {cache.v.shape}, lengths {cache.lengths.shape} do "
-                         f"not match the drafter's (layers, batch, kv_heads, max_len, head_dim) = {want}")
+    check_cache_shape(cache, num_layers=cfg.num_hidden_layers, batch=batch, kv_heads=cfg.num_key_value_heads,
+                      head_dim=cfg.head_dim)
     return _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
                             root_tokens_B, root_positions_B)
 
@@ -246,10 +255,10 @@ def drafter_logits(drafter: Drafter, target: Target, token_ids_BT):
     _check_pair(drafter, target)
     _, taps_BTF = target_forward_nocache(target, token_ids_BT, tap_layers=cfg.target_layer_ids)
     batch, num = np.shape(token_ids_BT)
-    block_tokens_BQ = jnp.concatenate(
-        [jnp.asarray(token_ids_BT)[:, -1:], jnp.full((batch, cfg.block_size - 1), cfg.mask_token_id, jnp.int32)], 1)
-    positions_BT = jnp.broadcast_to(jnp.arange(num + cfg.block_size - 1, dtype=jnp.int32), (batch, num + cfg.block_size - 1))
-    mask_BQK = jnp.ones((batch, cfg.block_size, num - 1 + cfg.block_size), bool)
+    block_tokens_BQ = _block_tokens(cfg, jnp.asarray(token_ids_BT)[:, -1])
+    total = num - 1 + cfg.block_size
+    positions_BT = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (batch, total))
+    mask_BQK = jnp.ones((batch, cfg.block_size, total), bool)
     hidden_BQD = drafter_hidden(drafter, target, taps_BTF[:, :-1], positions_BT[:, :num - 1], block_tokens_BQ,
                                 positions_BT[:, num - 1:], mask_BQK)
     return drafter_head(drafter, target, hidden_BQD[:, 1:])

@@ -19,7 +19,7 @@ import numpy as np
 
 from ddtree_jax import checks
 from ddtree_jax.models import layers as L
-from ddtree_jax.models.cache import KVCache, write_scratch
+from ddtree_jax.models.cache import KVCache, check_cache_shape, write_scratch
 
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                 "mlp_bias": False}
@@ -134,7 +134,7 @@ def project_vocab(target: Target, h_BND):
     return jnp.matmul(h_BND, target.params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers):
+def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers, logits_at_BK=None):
     cfg = target.config
     x_BND, taps, state = L.run_decoder(target.params["layers"], L.layer_shape(cfg), target.params["embed"][tokens_BN],
                                        positions_BN, attend, state, tap_layers)
@@ -142,11 +142,13 @@ def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_laye
     # As HF's hidden_states[id + 1], the last layer's tap is taken after the final norm.
     taps = [h_BND if i == cfg.num_hidden_layers - 1 else tap for i, tap in zip(tap_layers, taps)]
     taps_BNF = jnp.concatenate(taps, axis=-1) if taps else x_BND[..., :0]
+    if logits_at_BK is not None:
+        h_BND = jnp.take_along_axis(h_BND, logits_at_BK[:, :, None], axis=1)
     return project_vocab(target, h_BND), taps_BNF, state
 
 
 @functools.partial(jax.jit, static_argnames="tap_layers")
-def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, tap_layers):
+def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers):
     scale = target.config.head_dim ** -0.5
 
     def attend(i, q_BNHD, k_BNKD, v_BNKD, cache):
@@ -155,10 +157,11 @@ def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, tap_layers
         out = L.attention(q_BNHD, cache.k[i], cache.v[i], cache.lengths, mask_BNN, scale=scale)
         return out, cache
 
-    return _run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers)
+    return _run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers, logits_at_BK)
 
 
-def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVCache, *, tap_layers=()):
+def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVCache, *, tap_layers=(),
+                   logits_at_BK=None):
     """Forward of N new tokens per request over the cache (prefill, decode and tree verify).
 
     ``tokens_BN`` int, ``positions_BN`` int (RoPE positions), ``mask_BNN`` bool: new token i
@@ -168,16 +171,17 @@ def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVC
     Returns ``logits_BNV`` float32, ``taps_BNF`` (the hidden states after each layer in
     ``tap_layers``, concatenated in that order, ``F = len * D``: HF ``hidden_states[id + 1]``,
     so the last layer's tap is after the final norm) and the cache.
+    With ``logits_at_BK`` (int ``[B, K]``, indices into the N new tokens), only those rows'
+    logits are computed: ``[B, K, V]`` (e.g. the last prompt token of a long prefill).
     """
     tap_layers = _check_taps(target.config, tap_layers)
     _check_tokens(target.config, tokens_BN, positions_BN, mask_BNN)
     cfg = target.config
-    want = (cfg.num_hidden_layers, tokens_BN.shape[0], cfg.num_key_value_heads, None, cfg.head_dim)
-    if cache.k.ndim != 5 or any(w is not None and w != s for w, s in zip(want, cache.k.shape)) \
-            or cache.v.shape != cache.k.shape or cache.lengths.shape != (tokens_BN.shape[0],):
-        raise ValueError(f"cache: k {cache.k.shape}, v {cache.v.shape}, lengths {cache.lengths.shape} "
-                         f"do not match (layers, batch, kv_heads, max_len, head_dim) = {want}")
-    return _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, tap_layers)
+    check_cache_shape(cache, num_layers=cfg.num_hidden_layers, batch=np.shape(tokens_BN)[0],
+                      kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    if logits_at_BK is not None:
+        _check_rows(logits_at_BK, np.shape(tokens_BN))
+    return _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers)
 
 
 @functools.partial(jax.jit, static_argnames="tap_layers")
@@ -229,6 +233,18 @@ def check_token_ids(name, tokens, vocab_size):
     if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
         raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(tokens)}")
     checks.token_range(name, tokens, vocab_size)
+
+
+def _check_rows(logits_at_BK, tokens_shape):
+    batch, num = tokens_shape
+    if np.ndim(logits_at_BK) != 2 or np.shape(logits_at_BK)[0] != batch \
+            or not jnp.issubdtype(jnp.result_type(logits_at_BK), jnp.integer):
+        raise ValueError(f"logits_at_BK must be an int array of shape [{batch}, K], got "
+                         f"{jnp.result_type(logits_at_BK)} {np.shape(logits_at_BK)}")
+    if checks.is_concrete(logits_at_BK):
+        rows = np.asarray(logits_at_BK)
+        if rows.size and (rows.min() < 0 or rows.max() >= num):
+            raise ValueError(f"logits_at_BK must hold indices in [0, {num}), got min {rows.min()}, max {rows.max()}")
 
 
 def _batch_and_length(tokens_BN):

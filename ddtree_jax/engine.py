@@ -1,0 +1,388 @@
+"""Generation: AR, DFlash chain and DDTree decoding rounds, greedy and sampled, batched.
+
+Every method runs the same round (DESIGN.md §1) as one jit-compiled function with donated state:
+
+1. drafter forward on ``[root, MASK x L]`` plus the last round's accepted target features,
+2. ``build_tree`` (DDTree: budget B, optional top-k cap; chain: ``topk_cap = 1``, budget L),
+3. target forward over the tree with the ancestor mask,
+4. ``verify_from_coins`` (the same walk for greedy and sampled requests),
+5. commit of the root and the accepted path in the target cache; their target features become the
+   drafter's next context; the bonus token becomes the next root.
+
+AR decoding is the degenerate tree: only the root (``N = 1``), no drafter, the final draw of the
+walk is the sampled token. The root of a round is the last token whose K/V is not yet in the
+target cache: after prefill, the last prompt token.
+
+Each request carries its own length, sampling parameters and coin stream
+(``fold_in(fold_in(key, request_id), round)``), so its tokens do not depend on the rest of the
+batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import checks
+from ddtree_jax.models import dflash
+from ddtree_jax.models.cache import KVCache, commit, init_cache
+from ddtree_jax.models.dflash import Drafter, drafter_forward
+from ddtree_jax.models.qwen3 import Target, target_forward
+from ddtree_jax.sampling import coins_from_keys, request_keys, row_probs
+from ddtree_jax.tree import DraftTree, _build_tree, tree_attention_mask, tree_positions
+from ddtree_jax.verify import expected_acceptance, verify_from_coins
+
+METHODS = ("ar", "chain", "ddtree")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSpec:
+    """Static description of a round (changing it recompiles)."""
+
+    method: str
+    budget: int
+    topk_cap: int | None
+    depth: int  # L, the drafter's block size - 1 (0 for AR)
+    tap_layers: tuple[int, ...]
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 if self.method == "ar" else self.budget + 1
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["target_cache", "drafter_cache", "root", "ctx_feats", "ctx_count", "tokens",
+                 "num_generated", "done", "round"],
+    meta_fields=[],
+)
+@dataclasses.dataclass
+class DecodeState:
+    """Everything a round reads and writes (donated to the round).
+
+    ``root [B]``: the next round's root token. ``ctx_feats [B, L + 1, F]`` / ``ctx_count [B]``: target
+    features of the tokens committed by the last round, not yet in the drafter cache.
+    ``tokens [B, max_new + L + 1]``: generated ids so far (``-1`` after ``num_generated``).
+    """
+
+    target_cache: KVCache
+    drafter_cache: KVCache | None
+    root: jax.Array
+    ctx_feats: jax.Array
+    ctx_count: jax.Array
+    tokens: jax.Array
+    num_generated: jax.Array
+    done: jax.Array
+    round: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request target sampling parameters, ``[batch]`` each (``temperature = 0`` is greedy)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+    """Per-round statistics, host arrays: ``accepted [B]`` drafts accepted (``-1`` for finished
+    requests), ``tree_size [B]`` real nodes incl. the root, ``expected [B]`` exact expected accepted
+    drafts, ``seconds`` wall time of the round."""
+
+    accepted: np.ndarray
+    tree_size: np.ndarray
+    expected: np.ndarray
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """``tokens [B, max_new_tokens]`` generated ids (``-1`` padded), ``lengths [B]``, per-round stats."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    rounds: list[RoundStats]
+    seconds: float
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length per round and request, bonus token included."""
+        accepted = np.concatenate([r.accepted for r in self.rounds])
+        return float(np.mean(accepted[accepted >= 0] + 1)) if accepted.size else float("nan")
+
+    @property
+    def mean_expected(self) -> float:
+        """Mean exact expected accepted drafts per round (bonus excluded)."""
+        pairs = [(r.expected, r.accepted) for r in self.rounds]
+        values = np.concatenate([e[a >= 0] for e, a in pairs]) if pairs else np.zeros(0)
+        return float(np.mean(values)) if values.size else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return float(self.lengths.sum() / self.seconds) if self.seconds > 0 else float("nan")
+
+    def summary(self) -> dict:
+        """Machine-readable statistics (used by the CLI's ``--json``)."""
+        return {
+            "tau": self.tau,
+            "expected_accepted": self.mean_expected,
+            "rounds": len(self.rounds),
+            "tokens": int(self.lengths.sum()),
+            "tokens_per_s": self.tokens_per_s,
+            "seconds": self.seconds,
+        }
+
+
+def _trivial_tree(root_B) -> DraftTree:
+    """The AR "tree": the root alone."""
+    batch = root_B.shape[0]
+    zeros = jnp.zeros((batch, 1), jnp.int32)
+    return DraftTree(root_B[:, None], zeros - 1, zeros, zeros.astype(jnp.float32),
+                     jnp.ones((batch,), jnp.int32), max_depth=0)
+
+
+def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature):
+    """Steps 1–2: drafter forward (appending last round's context) and tree construction."""
+    lengths = state.target_cache.lengths
+    c = state.ctx_feats.shape[1]
+    ctx_positions = (lengths - state.ctx_count)[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+    draft_logits, drafter_cache = drafter_forward(
+        drafter, target, state.drafter_cache, state.ctx_feats, ctx_positions, state.ctx_count,
+        state.root, lengths)
+    tree = _build_tree(draft_logits, state.root, draft_temperature, budget=spec.budget, topk_cap=spec.topk_cap)
+    return tree, drafter_cache
+
+
+def _append_tokens(state, emitted_BD, count_B, stop_tokens, max_new_tokens):
+    """Write this round's emitted tokens after each live request's output, truncating at a stop token."""
+    depth = emitted_BD.shape[1]
+    pos = jnp.arange(depth)[None, :]
+    valid = (pos < count_B[:, None]) & ~state.done[:, None]
+    is_stop = jnp.isin(emitted_BD, stop_tokens) & valid
+    first_stop = jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), depth)
+    count = jnp.where(state.done, 0, jnp.minimum(count_B, first_stop + 1))
+    keep = pos < count[:, None]
+    rows = jnp.arange(emitted_BD.shape[0])[:, None]
+    slots = jnp.where(keep, state.num_generated[:, None] + pos, state.tokens.shape[1])
+    tokens = state.tokens.at[rows, slots].set(emitted_BD, mode="drop")
+    num_generated = state.num_generated + count
+    done = state.done | (first_stop < count_B) | (num_generated >= max_new_tokens)
+    return tokens, num_generated, done
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "max_new_tokens", "with_expected"), donate_argnums=(2,))
+def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sampling: SamplingParams, key,
+                 request_ids, draft_temperature, stop_tokens, *, spec: RoundSpec, max_new_tokens: int,
+                 with_expected: bool = True):
+    """One round for every request (see the module docstring). Returns the new state and
+    ``(accepted [B], tree_size [B], expected [B])``."""
+    live = ~state.done
+    if spec.method == "ar":
+        tree, drafter_cache = _trivial_tree(state.root), state.drafter_cache
+    else:
+        tree, drafter_cache = _draft_tree(target, drafter, state, spec, draft_temperature)
+    lengths = state.target_cache.lengths
+    logits, taps, target_cache = target_forward(
+        target, tree.tokens, tree_positions(tree, lengths), tree_attention_mask(tree), state.target_cache,
+        tap_layers=spec.tap_layers)
+    keys = request_keys(key, request_ids, state.round)
+    coins, final_coins = coins_from_keys(keys, spec.num_nodes)
+    res = verify_from_coins(tree, logits, coins, final_coins, sampling.temperature, sampling.top_k, sampling.top_p)
+    num_keep = jnp.where(live, res.num_accepted + 1, 0)
+    target_cache = commit(target_cache, res.accept_index, num_keep)
+    if spec.method != "ar":
+        rows = jnp.arange(taps.shape[0])[:, None]
+        ctx_feats = taps[rows, jnp.maximum(res.accept_index, 0)]
+    else:
+        ctx_feats = state.ctx_feats
+    tokens, num_generated, done = _append_tokens(state, res.emitted, res.num_accepted + 1, stop_tokens,
+                                                 max_new_tokens)
+    if with_expected:
+        b, n, v = logits.shape
+        rep = lambda x: jnp.repeat(x, n)  # noqa: E731
+        probs = row_probs(logits.reshape(b * n, v), rep(sampling.temperature), rep(sampling.top_k),
+                          rep(sampling.top_p)).reshape(b, n, v)
+        expected = expected_acceptance(tree, probs)
+    else:
+        expected = jnp.zeros(live.shape, jnp.float32)
+    new_state = DecodeState(target_cache, drafter_cache, jnp.where(live, res.bonus, state.root), ctx_feats,
+                            num_keep, tokens, num_generated, done, state.round + 1)
+    return new_state, (jnp.where(live, res.num_accepted, -1), tree.num_nodes, expected)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "max_len", "max_new_tokens"))
+def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *, spec: RoundSpec, max_len: int,
+            max_new_tokens: int) -> DecodeState:
+    """Commit all prompt tokens but the last (the first round's root) and seed the drafter context."""
+    batch, length = prompt_BT.shape
+    cfg = target.config
+    cache = init_cache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim, target.dtype)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
+    _, taps, cache = target_forward(target, prompt_BT, positions, causal, cache, tap_layers=spec.tap_layers)
+    committed = prompt_len_B - 1
+    cache = commit(cache, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)), committed)
+    root = prompt_BT[jnp.arange(batch), committed]
+    drafter_cache = None
+    if drafter is not None:
+        dc = drafter.config
+        drafter_cache = init_cache(dc.num_hidden_layers, batch, dc.num_key_value_heads, max_len, dc.head_dim,
+                                   drafter.dtype)
+        drafter_cache = dflash._append_context(drafter, drafter_cache, taps, positions, committed)
+    feats = taps.shape[-1]
+    return DecodeState(
+        target_cache=cache,
+        drafter_cache=drafter_cache,
+        root=root.astype(jnp.int32),
+        ctx_feats=jnp.zeros((batch, spec.depth + 1, feats), taps.dtype),
+        ctx_count=jnp.zeros((batch,), jnp.int32),
+        tokens=jnp.full((batch, max_new_tokens + spec.depth + 1), -1, jnp.int32),
+        num_generated=jnp.zeros((batch,), jnp.int32),
+        done=jnp.zeros((batch,), bool),
+        round=jnp.zeros((), jnp.int32),
+    )
+
+
+def _pad_prompts(prompt_ids, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad a batch of prompts; validate that each is a non-empty list of ids < vocab."""
+    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+        if prompt_ids.ndim != 2:
+            raise ValueError(f"prompt_ids must be [batch, T] or a list of sequences, got shape {prompt_ids.shape}")
+        prompt_ids = [list(row) for row in np.asarray(prompt_ids)]
+    if not isinstance(prompt_ids, Sequence) or not prompt_ids:
+        raise ValueError("prompt_ids must be a non-empty batch of token id sequences")
+    rows = []
+    for i, row in enumerate(prompt_ids):
+        arr = np.asarray(row)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"prompt_ids[{i}] must be a non-empty sequence of token ids, got {row!r}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt_ids[{i}] must hold integer token ids, got dtype {arr.dtype}")
+        checks.token_range(f"prompt_ids[{i}]", arr, vocab)
+        rows.append(arr.astype(np.int32))
+    lengths = np.array([len(r) for r in rows], np.int32)
+    padded = np.zeros((len(rows), lengths.max()), np.int32)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    return padded, lengths
+
+
+def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int, topk_cap: int | None) -> RoundSpec:
+    """Validate the method and tree settings against the models and return the round's static spec."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "ar":
+        return RoundSpec("ar", 1, None, 0, ())
+    if drafter is None:
+        raise ValueError(f"method {method!r} needs a drafter")
+    dc, tc = drafter.config, target.config
+    if (dc.vocab_size, dc.hidden_size, dc.num_target_layers) != (tc.vocab_size, tc.hidden_size, tc.num_hidden_layers):
+        raise ValueError(
+            f"drafter (vocab {dc.vocab_size}, hidden {dc.hidden_size}, {dc.num_target_layers} target layers) does "
+            f"not match the target (vocab {tc.vocab_size}, hidden {tc.hidden_size}, {tc.num_hidden_layers} layers)")
+    depth = dc.block_size - 1
+    budget = checks.positive_int("budget", budget, maximum=32768)
+    if method == "chain":
+        budget, topk_cap = depth, 1
+    elif topk_cap is not None:
+        topk_cap = checks.positive_int("topk_cap", topk_cap)
+    return RoundSpec(method, budget, topk_cap, depth, tuple(dc.target_layer_ids))
+
+
+def generate(
+    target: Target,
+    drafter: Drafter | None,
+    prompt_ids,
+    *,
+    method: str = "ddtree",
+    budget: int = 16,
+    topk_cap: int | None = 4,
+    draft_temperature: float = 1.0,
+    temperature=0.0,
+    top_k=0,
+    top_p=1.0,
+    max_new_tokens: int = 64,
+    key: jax.Array | None = None,
+    stop_tokens: Sequence[int] = (),
+    request_ids=None,
+    max_len: int | None = None,
+    with_expected: bool = True,
+    on_round: Callable[[np.ndarray, np.ndarray, RoundStats], None] | None = None,
+) -> GenerateResult:
+    """Generate up to ``max_new_tokens`` per request with AR, DFlash chain or DDTree decoding.
+
+    Args:
+      target, drafter: the models (``drafter`` may be ``None`` for ``method="ar"``).
+      prompt_ids: a batch of non-empty token id sequences (ragged lists or ``[batch, T]``).
+      method: ``"ar"`` | ``"chain"`` (the drafter's argmax per slot: DDTree with ``topk_cap = 1``) |
+        ``"ddtree"``.
+      budget, topk_cap, draft_temperature: DDTree settings (ignored by AR; chain uses budget L, cap 1).
+      temperature, top_k, top_p: scalars or ``[batch]``; ``temperature = 0`` is greedy.
+      key: ``jax.random`` key (default ``key(0)``); request b draws from
+        ``fold_in(fold_in(key, request_ids[b]), round)``.
+      stop_tokens: generation of a request ends after it emits one of these.
+      request_ids: int ``[batch]``, default ``arange(batch)``.
+      max_len: KV cache slots per request (default: just enough).
+      with_expected: compute the exact expected acceptance per round (costs a full target law per node).
+      on_round: called after each round with ``(tokens [B, *], num_generated [B], stats)`` (host arrays),
+        e.g. to stream text.
+
+    Returns:
+      ``GenerateResult`` (tokens ``[batch, max_new_tokens]``, ``-1`` padded; lengths; statistics).
+    """
+    spec = make_spec(target, drafter, method, budget, topk_cap)
+    max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
+    if not (np.ndim(draft_temperature) == 0 and np.isfinite(draft_temperature) and draft_temperature > 0):
+        raise ValueError(f"draft_temperature must be a finite number > 0, got {draft_temperature!r}")
+    prompt_BT, prompt_len_B = _pad_prompts(prompt_ids, target.config.vocab_size)
+    batch = prompt_BT.shape[0]
+    t, k, p = checks.sampling_params(temperature, top_k, top_p, batch)
+    request_ids = jnp.arange(batch, dtype=jnp.int32) if request_ids is None else jnp.asarray(request_ids, jnp.int32)
+    checks.same_leading("request_ids", request_ids, (batch,))
+    stop = np.asarray(list(stop_tokens) or [-2], np.int32)
+    checks.token_range("stop_tokens", stop[stop != -2], target.config.vocab_size)
+    needed = int(prompt_BT.shape[1]) + max_new_tokens + spec.depth + spec.num_nodes + 1
+    if max_len is None:
+        max_len = needed
+    elif max_len < needed:
+        raise ValueError(f"max_len={max_len} is too small: prompts of up to {prompt_BT.shape[1]} tokens plus "
+                         f"max_new_tokens={max_new_tokens} and a tree of {spec.num_nodes} nodes need {needed} slots")
+    if needed > target.config.max_position_embeddings:
+        raise ValueError(f"prompt length {prompt_BT.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "
+                         f"target's max_position_embeddings={target.config.max_position_embeddings}")
+    key = jax.random.key(0) if key is None else key
+    drafter = None if spec.method == "ar" else drafter
+
+    state = prefill(target, drafter, jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B), spec=spec,
+                    max_len=max_len, max_new_tokens=max_new_tokens)
+    args = (SamplingParams(t, k, p), key, request_ids, jnp.float32(draft_temperature), jnp.asarray(stop))
+    round_fn = decode_round.lower(target, drafter, state, *args, spec=spec, max_new_tokens=max_new_tokens,
+                                  with_expected=with_expected).compile()
+    rounds, start = [], time.perf_counter()
+    while True:
+        tick = time.perf_counter()
+        state, (accepted, tree_size, expected) = round_fn(target, drafter, state, *args)
+        done = np.asarray(state.done)
+        stats = RoundStats(np.asarray(accepted), np.asarray(tree_size), np.asarray(expected),
+                           time.perf_counter() - tick)
+        rounds.append(stats)
+        if on_round is not None:
+            on_round(np.asarray(state.tokens), np.asarray(state.num_generated), stats)
+        if done.all():
+            break
+    seconds = time.perf_counter() - start
+    lengths = np.minimum(np.asarray(state.num_generated), max_new_tokens)
+    tokens = np.asarray(state.tokens)[:, :max_new_tokens]
+    tokens = np.where(np.arange(max_new_tokens)[None, :] < lengths[:, None], tokens, -1)
+    return GenerateResult(tokens=tokens, lengths=lengths, rounds=rounds, seconds=seconds)
