@@ -32,7 +32,8 @@ _SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
 # ---- per-layer name map ------------------------------------------------------------------
 
 def _layer_hf_shapes(s: LayerShape) -> dict[str, tuple[int, ...]]:
-    d, dh, hq, hkv, inter = s.hidden_size, s.head_dim, s.num_attention_heads, s.num_key_value_heads, s.intermediate_size
+    d, dh, inter = s.hidden_size, s.head_dim, s.intermediate_size
+    hq, hkv = s.num_attention_heads, s.num_key_value_heads
     return {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
             "self_attn.q_proj.weight": (hq * dh, d), "self_attn.k_proj.weight": (hkv * dh, d),
             "self_attn.v_proj.weight": (hkv * dh, d), "self_attn.o_proj.weight": (d, hq * dh),
@@ -197,7 +198,8 @@ def _open_checked(path, expected, optional):
                 if tuple(tensor.get_shape()) != want:
                     raise ValueError(f"tensor {name!r} has shape {tuple(tensor.get_shape())}, expected {want}")
                 if tensor.get_dtype() not in _DTYPES:
-                    raise ValueError(f"tensor {name!r} has dtype {tensor.get_dtype()}, expected one of {sorted(_DTYPES)}")
+                    raise ValueError(f"tensor {name!r} has dtype {tensor.get_dtype()}, "
+                                     f"expected one of {sorted(_DTYPES)}")
                 location[name] = file
                 dtypes.add(_DTYPES[tensor.get_dtype()])
     missing = sorted(set(expected) - set(location))

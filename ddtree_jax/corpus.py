@@ -72,18 +72,22 @@ def token_blocks(tokenizer, split: str, block_len: int, *, seed: int,
                  root: str | Path | None = None) -> Iterator[np.ndarray]:
     """Stream int32 token blocks of shape `[block_len]` from the files of `split`.
 
-    Each file is encoded once and followed by the end-of-text token. Epoch e concatenates the
-    documents in a permutation drawn from `seed` and e, cuts the stream into whole blocks (the
-    remainder is dropped) and yields them in a second seeded permutation. `repeat=False` stops
-    after one epoch. `max_files` keeps the first files in path order (small runs and tests).
+    Each file is encoded once (here, before the first block) and followed by the end-of-text
+    token. Epoch e concatenates the documents in a permutation drawn from `seed` and e, cuts the
+    stream into whole blocks (the remainder is dropped) and yields them in a second seeded
+    permutation. `repeat=False` stops after one epoch. `max_files` keeps the first files in path
+    order (small runs and tests).
     """
     if block_len < 1:
         raise ValueError(f"block_len must be >= 1, got {block_len}")
-    files = list_files(split, root)[:max_files]
-    docs = _encode_files(tokenizer, files)
+    docs = _encode_files(tokenizer, list_files(split, root)[:max_files])
     total = sum(len(d) for d in docs)
     if total < block_len:
         raise ValueError(f"block_len={block_len} exceeds the {total} tokens of split {split!r}")
+    return _shuffled_blocks(docs, block_len, seed, repeat)
+
+
+def _shuffled_blocks(docs: list[np.ndarray], block_len: int, seed: int, repeat: bool) -> Iterator[np.ndarray]:
     epoch = 0
     while True:
         rng = np.random.default_rng([seed, epoch])

@@ -13,8 +13,8 @@ from ddtree_jax.models.cache import write_scratch
 
 def filled_cache(rng, lengths, max_len=10):
     shape = (2, len(lengths), 3, max_len, 4)
-    return KVCache(k=jnp.asarray(rng.normal(size=shape), jnp.float32), v=jnp.asarray(rng.normal(size=shape), jnp.float32),
-                   lengths=jnp.asarray(lengths, jnp.int32))
+    k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
+    return KVCache(k=k, v=v, lengths=jnp.asarray(lengths, jnp.int32))
 
 
 def test_init_cache_is_zeros_and_validates():

@@ -101,9 +101,9 @@ def test_token_blocks_deterministic_and_complete(tok, tmp_path):
 def test_token_blocks_bad_args(tok, tmp_path):
     root = _fake_root(tmp_path)
     with pytest.raises(ValueError, match="block_len"):
-        next(corpus.token_blocks(tok, "train", 0, seed=0, root=root))
+        corpus.token_blocks(tok, "train", 0, seed=0, root=root)
     with pytest.raises(ValueError, match="exceeds"):
-        next(corpus.token_blocks(tok, "heldout", 10_000, seed=0, root=root))
+        corpus.token_blocks(tok, "heldout", 10_000, seed=0, root=root)
 
 
 def test_heldout_prompts(tok):

@@ -205,14 +205,7 @@ def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ct
     batch = root_tokens_B.shape[0]
     block_tokens_BQ = _block_tokens(cfg, root_tokens_B)
     block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]
-    all_BQQ = jnp.ones((batch, cfg.block_size, cfg.block_size), bool)
-
-    def attend(i, q_BQHD, k_BQKD, v_BQKD, cache):
-        cache = KVCache(k=write_scratch(cache.k, i, k_BQKD, cache.lengths),
-                        v=write_scratch(cache.v, i, v_BQKD, cache.lengths), lengths=cache.lengths)
-        out = L.attention(q_BQHD, cache.k[i], cache.v[i], cache.lengths, all_BQQ, scale=cfg.head_dim ** -0.5)
-        return out, cache
-
+    attend = L.cached_attend(jnp.ones((batch, cfg.block_size, cfg.block_size), bool), cfg.head_dim ** -0.5)
     hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache)
     return drafter_head(drafter, target, hidden_BQD[:, 1:]), cache
 

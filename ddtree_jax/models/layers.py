@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.models.cache import KVCache, write_scratch
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
@@ -122,6 +124,18 @@ def attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale):
     out_BKGND = jnp.einsum("bkgns,bksd->bkgnd", probs_BKGNS.astype(v_BKSD.dtype), v_BKSD,
                            preferred_element_type=jnp.float32)
     return out_BKGND.transpose(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim).astype(q_BNHD.dtype)
+
+
+def cached_attend(mask_BNM, scale):
+    """The `run_decoder` attention step over a `KVCache` state: write layer i's new K/V to the
+    scratch slots ``[lengths, lengths + N)``, then `attention` over the cache with ``mask``."""
+
+    def attend(i, q_BNHD, k_BNKD, v_BNKD, cache: KVCache):
+        cache = KVCache(k=write_scratch(cache.k, i, k_BNKD, cache.lengths),
+                        v=write_scratch(cache.v, i, v_BNKD, cache.lengths), lengths=cache.lengths)
+        return attention(q_BNHD, cache.k[i], cache.v[i], cache.lengths, mask_BNM, scale=scale), cache
+
+    return attend
 
 
 def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=()):

@@ -19,7 +19,7 @@ import numpy as np
 
 from ddtree_jax import checks
 from ddtree_jax.models import layers as L
-from ddtree_jax.models.cache import KVCache, check_cache_shape, write_scratch
+from ddtree_jax.models.cache import KVCache, check_cache_shape
 
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                 "mlp_bias": False}
@@ -149,14 +149,7 @@ def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_laye
 
 @functools.partial(jax.jit, static_argnames="tap_layers")
 def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers):
-    scale = target.config.head_dim ** -0.5
-
-    def attend(i, q_BNHD, k_BNKD, v_BNKD, cache):
-        cache = KVCache(k=write_scratch(cache.k, i, k_BNKD, cache.lengths),
-                        v=write_scratch(cache.v, i, v_BNKD, cache.lengths), lengths=cache.lengths)
-        out = L.attention(q_BNHD, cache.k[i], cache.v[i], cache.lengths, mask_BNN, scale=scale)
-        return out, cache
-
+    attend = L.cached_attend(mask_BNN, target.config.head_dim ** -0.5)
     return _run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers, logits_at_BK)
 
 

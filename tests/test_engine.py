@@ -1,0 +1,178 @@
+"""Engine: lossless greedy decoding, exact sampling at sequence level, batch independence, errors."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from ddtree_jax import oracle
+from ddtree_jax.engine import generate
+from ddtree_jax.models import DFlashConfig, Qwen3Config, init_drafter, init_target, target_logits
+
+
+def tiny_pair(vocab, seed=0, block_size=5):
+    """A tiny fp32 target and drafter; a small vocabulary makes trees cover the likely continuations."""
+    tc = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    dc = DFlashConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, block_size=block_size,
+                      target_layer_ids=(0, 2), mask_token_id=vocab - 1, num_target_layers=3)
+    target = init_target(tc, jax.random.key(seed), jnp.float32, std=0.4)
+    drafter = init_drafter(dc, jax.random.key(seed + 1), jnp.float32, std=0.4)
+    return target, drafter
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 1], [3, 3, 3, 2, 1, 0, 5, 6], [4]]
+
+
+@pytest.mark.parametrize("method,budget,cap", [("chain", 1, None), ("ddtree", 4, None), ("ddtree", 16, 4),
+                                               ("ddtree", 48, None)])
+def test_greedy_chain_and_ddtree_reproduce_ar(method, budget, cap):
+    target, drafter = tiny_pair(vocab=8)
+    ar = generate(target, drafter, PROMPTS, method="ar", max_new_tokens=24)
+    spec = generate(target, drafter, PROMPTS, method=method, budget=budget, topk_cap=cap, max_new_tokens=24)
+    np.testing.assert_array_equal(spec.tokens, ar.tokens)
+    np.testing.assert_array_equal(spec.lengths, [24] * len(PROMPTS))
+    if budget == 48:
+        assert spec.tau > 1.8  # deep paths were accepted and committed
+    assert spec.tau >= 1.0 and ar.tau == 1.0
+
+
+def test_greedy_matches_full_recomputation():
+    """AR greedy equals argmax decoding by recomputing the whole sequence each step (no cache)."""
+    target, _ = tiny_pair(vocab=8)
+    ar = generate(target, None, [PROMPTS[0]], method="ar", max_new_tokens=6)
+    seq = list(PROMPTS[0])
+    for _ in range(6):
+        seq.append(int(np.argmax(np.asarray(target_logits(target, jnp.asarray([seq])))[0, -1])))
+    assert ar.tokens[0].tolist() == seq[len(PROMPTS[0]):]
+
+
+def exact_ar_law(target, prompt, t, k, p, length, vocab):
+    """Law of the first ``length`` tokens under AR sampling, by enumerating every prefix."""
+    law = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(law)
+        seqs = jnp.asarray([prompt + list(s) for s in prefixes])
+        rows = np.asarray(target_logits(target, seqs))[:, -1]
+        q = oracle.target_probs(rows, [t] * len(rows), [k] * len(rows), [p] * len(rows)).astype(np.float64)
+        q /= q.sum(-1, keepdims=True)
+        law = {s + (tok,): law[s] * q[i, tok] for i, s in enumerate(prefixes) for tok in range(vocab)}
+    return law
+
+
+def chi2_pvalue(samples, law):
+    cells = sorted(law)
+    expected = np.array([law[c] for c in cells]) * len(samples)
+    index = {c: i for i, c in enumerate(cells)}
+    observed = np.zeros(len(cells))
+    for s in map(tuple, samples):
+        if law.get(s, 0.0) == 0.0:
+            return 0.0
+        observed[index[s]] += 1
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t,k,p,budget,cap", [(1.0, 0, 1.0, 12, None), (0.7, 3, 0.9, 8, 2)])
+def test_ddtree_sampling_has_the_ar_law_of_three_tokens(t, k, p, budget, cap):
+    vocab, samples, prompt = 6, 6000, [1, 4, 2]
+    target, drafter = tiny_pair(vocab=vocab, seed=3)
+    res = generate(target, drafter, [prompt] * samples, method="ddtree", budget=budget, topk_cap=cap,
+                   temperature=t, top_k=k, top_p=p, max_new_tokens=3, key=jax.random.key(7), with_expected=False)
+    assert res.tau > 1.2  # the law is produced by accepted drafts, not only by final draws
+    first3 = res.tokens[:, :3]
+    assert chi2_pvalue(first3, exact_ar_law(target, prompt, t, k, p, 3, vocab)) > 1e-3
+    wrong = exact_ar_law(target, prompt, t * 1.5, k, p, 3, vocab)
+    assert chi2_pvalue(first3, wrong) < 1e-6
+
+
+def test_request_output_does_not_depend_on_the_batch():
+    target, drafter = tiny_pair(vocab=16, seed=5)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [2], [3, 1, 4, 1, 5], [9, 2, 6], [5, 3], [5, 8, 9, 7], [9, 3, 2, 3]]
+    temps = np.array([1.0, 0.0, 0.5, 1.3, 1.0, 0.0, 0.8, 2.0], np.float32)
+    top_k = np.array([0, 0, 3, 0, 5, 0, 2, 0], np.int32)
+    top_p = np.array([1.0, 1.0, 0.9, 0.5, 1.0, 1.0, 1.0, 0.7], np.float32)
+    ids = np.arange(100, 108)
+    kw = dict(method="ddtree", budget=10, topk_cap=3, max_new_tokens=12, key=jax.random.key(3))
+    batch = generate(target, drafter, prompts, temperature=temps, top_k=top_k, top_p=top_p, request_ids=ids, **kw)
+    for b in (0, 3, 6):
+        alone = generate(target, drafter, [prompts[b]], temperature=temps[b], top_k=top_k[b], top_p=top_p[b],
+                         request_ids=ids[b : b + 1], **kw)
+        np.testing.assert_array_equal(alone.tokens[0], batch.tokens[b])
+
+
+def test_stop_tokens_end_a_request():
+    target, drafter = tiny_pair(vocab=8)
+    free = generate(target, drafter, PROMPTS, method="ddtree", budget=8, max_new_tokens=16)
+    stop = int(free.tokens[0, 3])
+    res = generate(target, drafter, PROMPTS, method="ddtree", budget=8, max_new_tokens=16, stop_tokens=[stop])
+    for b in range(len(PROMPTS)):
+        row = free.tokens[b].tolist()
+        end = row.index(stop) + 1 if stop in row else 16
+        assert res.lengths[b] == end
+        assert res.tokens[b, :end].tolist() == row[:end]
+        assert np.all(res.tokens[b, end:] == -1)
+
+
+def test_statistics_are_consistent():
+    target, drafter = tiny_pair(vocab=8)
+    res = generate(target, drafter, PROMPTS, method="ddtree", budget=24, max_new_tokens=20, temperature=1.0)
+    summary = res.summary()
+    assert summary["rounds"] == len(res.rounds) and summary["tokens"] == 20 * len(PROMPTS)
+    assert 1.0 <= summary["tau"] <= drafter.config.block_size
+    assert 0.0 <= summary["expected_accepted"] <= 24
+    for r in res.rounds:
+        assert np.all(r.tree_size[r.accepted >= 0] == 25)  # V^L >= budget: full trees
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(prompt_ids=[[]]), "non-empty"),
+        (dict(prompt_ids=[]), "non-empty"),
+        (dict(prompt_ids=[[1, 99]]), "token ids"),
+        (dict(method="beam"), "method"),
+        (dict(budget=0), "budget"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(draft_temperature=0.0), "draft_temperature"),
+        (dict(max_len=8), "max_len"),
+        (dict(max_new_tokens=10**6), "max_position_embeddings"),
+        (dict(stop_tokens=[50]), "stop_tokens"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(kwargs, message):
+    target, drafter = tiny_pair(vocab=8)
+    args = dict(prompt_ids=[[1, 2, 3]], method="ddtree", budget=4, max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        generate(target, drafter, args.pop("prompt_ids"), **args)
+
+
+def test_ddtree_needs_a_matching_drafter():
+    target, _ = tiny_pair(vocab=8)
+    _, other = tiny_pair(vocab=12)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        generate(target, None, [[1]], method="chain")
+    with pytest.raises(ValueError, match="does not match the target"):
+        generate(target, other, [[1]], method="ddtree")
+
+
+def test_all_methods_share_one_round_function():
+    """AR is the root-only tree through the same verify walk: at T > 0 it samples the target law."""
+    target, _ = tiny_pair(vocab=6, seed=2)
+    res = generate(target, None, [[1, 2]] * 4000, method="ar", temperature=1.0, max_new_tokens=2,
+                   key=jax.random.key(1), with_expected=False)
+    law = exact_ar_law(target, [1, 2], 1.0, 0, 1.0, 2, 6)
+    assert chi2_pvalue(res.tokens[:, :2], law) > 1e-3
+    assert set(itertools.chain.from_iterable(res.tokens.tolist())) <= set(range(6))
