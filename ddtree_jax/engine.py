@@ -30,9 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import checks
-from ddtree_jax.models import dflash
 from ddtree_jax.models.cache import KVCache, commit, init_cache
-from ddtree_jax.models.dflash import Drafter, drafter_forward
+from ddtree_jax.models.dflash import Drafter, append_context, drafter_forward
 from ddtree_jax.models.qwen3 import Target, target_forward
 from ddtree_jax.sampling import coins_from_keys, request_keys, row_probs
 from ddtree_jax.tree import DraftTree, _build_tree, tree_attention_mask, tree_positions
@@ -239,7 +238,7 @@ def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *,
         dc = drafter.config
         drafter_cache = init_cache(dc.num_hidden_layers, batch, dc.num_key_value_heads, max_len, dc.head_dim,
                                    drafter.dtype)
-        drafter_cache = dflash._append_context(drafter, drafter_cache, taps, positions, committed)
+        drafter_cache = append_context(drafter, drafter_cache, taps, positions, committed)
     feats = taps.shape[-1]
     return DecodeState(
         target_cache=cache,

@@ -185,7 +185,10 @@ def drafter_hidden(drafter: Drafter, target: Target, ctx_feats_BCF, ctx_position
                            block_positions_BQ, mask_BQK)
 
 
-def _append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B):
+def append_context(drafter: Drafter, cache: KVCache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B) -> KVCache:
+    """Project the first ``ctx_count[b]`` rows of the raw target taps ``ctx_feats [B, C, F]`` (at
+    ``ctx_positions [B, C]``) to every layer's context K/V, write them after the committed slots and
+    advance ``lengths`` (no validation; `drafter_forward` does this as its first step)."""
     shape = L.layer_shape(drafter.config)
     feat_BCD = context_features(drafter, ctx_feats_BCF)
     k_LBKSD, v_LBKSD = cache.k, cache.v
@@ -201,7 +204,7 @@ def _append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B
 def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
                      root_tokens_B, root_positions_B):
     cfg = drafter.config
-    cache = _append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B)
+    cache = append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B)
     batch = root_tokens_B.shape[0]
     block_tokens_BQ = _block_tokens(cfg, root_tokens_B)
     block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]

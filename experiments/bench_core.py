@@ -1,0 +1,87 @@
+"""Micro-benchmark of the DDTree core: build_tree (+ encoding) and verify at Qwen3 vocabulary size.
+
+Times, on whatever backend is present (jit, warm, ``block_until_ready``, median of repeats):
+  build   = build_tree + compile_retrieve-free encodings (mask, positions) from draft logits [B, L, V]
+  verify  = verify() from target logits [B, N, V] at T = 1 with top-p 0.95 (the sampled path)
+  greedy  = verify() at T = 0
+Prints a table and writes JSON.
+
+    python experiments/bench_core.py --out experiments/results/bench_core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.sampling import coins_from_keys, request_keys
+from ddtree_jax.tree import _build_tree, tree_attention_mask, tree_positions
+from ddtree_jax.verify import verify_from_coins
+
+
+def median_ms(fn, *args, repeats):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+@functools.partial(jax.jit, static_argnames=("budget",))
+def build(draft_logits, roots, *, budget):
+    tree = _build_tree(draft_logits, roots, jnp.float32(1.0), budget=budget, topk_cap=None)
+    return tree, tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
+
+
+@jax.jit
+def sample(tree, logits, key, temperature, top_p):
+    batch = logits.shape[0]
+    coins, final = coins_from_keys(request_keys(key, jnp.arange(batch), 0), logits.shape[1])
+    t = jnp.full((batch,), temperature)
+    return verify_from_coins(tree, logits, coins, final, t, jnp.zeros((batch,), jnp.int32), jnp.full((batch,), top_p))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=151_936)
+    ap.add_argument("--depth", type=int, default=15)
+    ap.add_argument("--budgets", default="16,64,256,1024")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default="experiments/results/bench_core.json")
+    args = ap.parse_args()
+    print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    rows = []
+    key = jax.random.key(0)
+    print(f"{'batch':>5} {'B':>5} {'build ms':>9} {'verify ms':>10} {'greedy ms':>10}")
+    for batch in map(int, args.batches.split(",")):
+        draft = jax.random.normal(key, (batch, args.depth, args.vocab), jnp.float32) * 3
+        roots = jnp.zeros((batch,), jnp.int32)
+        for budget in map(int, args.budgets.split(",")):
+            tree = build(draft, roots, budget=budget)[0]
+            logits = jax.random.normal(key, (batch, budget + 1, args.vocab), jnp.bfloat16) * 3
+            row = dict(batch=batch, budget=budget, vocab=args.vocab, depth=args.depth,
+                       build_ms=median_ms(functools.partial(build, budget=budget), draft, roots, repeats=args.repeats),
+                       verify_ms=median_ms(sample, tree, logits, key, 1.0, 0.95, repeats=args.repeats),
+                       greedy_ms=median_ms(sample, tree, logits, key, 0.0, 1.0, repeats=args.repeats))
+            rows.append(row)
+            print(f"{batch:>5} {budget:>5} {row['build_ms']:>9.3f} {row['verify_ms']:>10.3f} {row['greedy_ms']:>10.3f}",
+                  flush=True)
+            del logits
+    meta = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind, jax=jax.__version__,
+                date=time.strftime("%Y-%m-%d"))
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
