@@ -103,7 +103,7 @@ def _when(pred, fn, default):
     """``fn()`` if ``pred`` else ``default``; only the taken branch runs.
 
     ``default`` goes through ``cond`` as an operand: a branch that returns a constant does not
-    lower to Triton.
+    lower to Triton, so ``default`` must not be a constant either.
     """
     return lax.cond(pred, lambda _: fn(), lambda d: d, default)
 
@@ -163,7 +163,8 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         rank = k - count(cur, lambda key, ids: key > w_k)
         ties = count(cur, lambda key, ids: key == w_k)
         everything = lambda key, ids: key == key  # noqa: E731
-        c_k = _when(ties > rank, lambda: id_cutoff(cur, w_k, rank, everything), jnp.int32(vocab))
+        cut = _when(ties > rank, lambda: id_cutoff(cur, w_k, rank, everything), rank)
+        c_k = lax.select(ties > rank, cut, jnp.int32(vocab))
         return w_k, c_k
 
     def top_p_boundary(cur, m, w, c):

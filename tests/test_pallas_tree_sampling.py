@@ -1,0 +1,116 @@
+"""Fused tree sampling (interpret mode on CPU) vs the jnp path ``verify_from_coins``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.tree import build_tree
+from ddtree_jax.verify import verify_from_coins
+from pallas_kernels.lowering import verified_triton_modules
+from pallas_kernels.tree_sampling import _tree_sample_pallas, tree_sample
+
+FIELDS = ("accept_index", "num_accepted", "predicts", "emitted", "bonus")
+
+
+def make_round(seed, *, batch, depth, vocab, budget, logit_scale=3.0, tie_step=None, agree=0.0,
+               dtype=jnp.float32):
+    """A drafted tree, target logits, coins. ``tie_step`` rounds logits to create ties;
+    ``agree`` adds that much to each node's logit of its first child's token."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    draft = 2.0 * jax.random.normal(keys[0], (batch, depth, vocab))
+    tree = build_tree(draft, jax.random.randint(keys[1], (batch,), 0, vocab), budget=budget)
+    logits = logit_scale * jax.random.normal(keys[2], (batch, budget + 1, vocab))
+    if tie_step:
+        logits = jnp.round(logits / tie_step) * tie_step
+    if agree:
+        first_child = jnp.full((batch, budget + 1), -1).at[
+            jnp.arange(batch)[:, None], jnp.maximum(tree.parents, 0)].min(
+            jnp.where(tree.parents >= 0, jnp.arange(budget + 1), budget + 1), mode="drop")
+        token = jnp.take_along_axis(tree.tokens, jnp.clip(first_child, 0, budget), axis=1)
+        bump = jax.nn.one_hot(token, vocab) * agree * (first_child <= budget)[..., None]
+        logits = logits + bump
+    coins = jax.random.uniform(keys[3], (batch, budget + 1), minval=1e-6, maxval=1.0)
+    final = jax.random.uniform(keys[4], (batch,), minval=1e-6, maxval=1.0)
+    return tree, logits.astype(dtype), coins, final
+
+
+def params(*rows):
+    """(temperature, top_k, top_p) per request -> three [batch] arrays."""
+    t, k, p = zip(*rows)
+    return jnp.array(t, jnp.float32), jnp.array(k, jnp.int32), jnp.array(p, jnp.float32)
+
+
+def assert_same(tree, logits, coins, final, temperature, top_k, top_p, **kwargs):
+    ref = verify_from_coins(tree, logits, coins, final, temperature, top_k, top_p)
+    out = tree_sample(tree, logits, coins, final, temperature, top_k, top_p, backend="interpret",
+                      **kwargs)
+    for field in FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(out, field)), np.asarray(getattr(ref, field)),
+                                      err_msg=field)
+    return out
+
+
+MIXED = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.9, 50, 0.6), (1.0, 1, 1.0),
+         (2.0, 0, 0.3), (0.5, 500, 1.0)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_parameters_match_jnp_path(seed):
+    tree, logits, coins, final = make_round(seed, batch=len(MIXED), depth=4, vocab=300, budget=12)
+    assert_same(tree, logits, coins, final, *params(*MIXED), block_v=64)
+
+
+def test_ties_at_top_k_and_top_p_boundaries():
+    rows = [(1.0, 7, 1.0), (1.0, 33, 1.0), (0.8, 0, 0.9), (1.0, 12, 0.7), (0.0, 0, 1.0)]
+    tree, logits, coins, final = make_round(11, batch=len(rows), depth=3, vocab=257, budget=9,
+                                            tie_step=0.5)
+    assert_same(tree, logits, coins, final, *params(*rows), block_v=32)
+
+
+def test_long_accepted_paths_and_depth_limit():
+    """Target logits that favour the drafts: walks reach the depth limit (nothing rejected)."""
+    rows = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.5, 10, 0.9), (1.0, 0, 0.95)]
+    tree, logits, coins, final = make_round(5, batch=len(rows), depth=5, vocab=200, budget=10,
+                                            logit_scale=1.0, agree=12.0)
+    out = assert_same(tree, logits, coins, final, *params(*rows), block_v=64)
+    assert int(jnp.max(out.num_accepted)) == tree.max_depth
+
+
+def test_bfloat16_logits_and_one_block_vocab():
+    rows = [(1.0, 0, 1.0), (0.6, 5, 0.8), (0.0, 0, 1.0)]
+    tree, logits, coins, final = make_round(2, batch=3, depth=3, vocab=100, budget=6,
+                                            dtype=jnp.bfloat16)
+    assert_same(tree, logits, coins, final, *params(*rows), block_v=4096)
+
+
+def test_auto_is_the_jnp_path_on_cpu_and_jits():
+    tree, logits, coins, final = make_round(4, batch=2, depth=2, vocab=50, budget=4)
+    t, k, p = params((1.0, 0, 1.0), (0.0, 0, 1.0))
+    ref = verify_from_coins(tree, logits, coins, final, t, k, p)
+    out = jax.jit(lambda *a: tree_sample(tree, *a))(logits, coins, final, t, k, p)
+    for field in FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(out, field)), np.asarray(getattr(ref, field)))
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(backend="cuda"), "backend"),
+                                           (dict(block_v=100), "block_v")])
+def test_invalid_arguments(kwargs, match):
+    tree, logits, coins, final = make_round(0, batch=1, depth=2, vocab=50, budget=3)
+    with pytest.raises(ValueError, match=match):
+        tree_sample(tree, logits, coins, final, *params((1.0, 0, 1.0)), **kwargs)
+    with pytest.raises(ValueError, match="target_logits"):
+        tree_sample(tree, logits[:, :2], coins, final, *params((1.0, 0, 1.0)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_valid_triton_ir(dtype):
+    """Qwen3-sized vocabulary: the kernel lowers to Triton IR that the MLIR verifier accepts."""
+    batch, nodes, vocab = 4, 65, 151936
+    s = jax.ShapeDtypeStruct
+    args = [s((batch, nodes), jnp.int32), s((batch, nodes), jnp.int32), s((batch, nodes, vocab), dtype),
+            s((batch, nodes), jnp.float32), s((batch,), jnp.float32), s((batch,), jnp.float32),
+            s((batch,), jnp.int32), s((batch,), jnp.float32)]
+    fn = lambda *a: _tree_sample_pallas(*a, max_depth=8, block_v=4096, num_warps=8, interpret=False)  # noqa: E731
+    [module] = verified_triton_modules(fn, *args)
+    assert "tt.scan" in module
