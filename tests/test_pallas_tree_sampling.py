@@ -24,7 +24,7 @@ def make_round(seed, *, batch, depth, vocab, budget, logit_scale=3.0, tie_step=N
     if tie_step:
         logits = jnp.round(logits / tie_step) * tie_step
     if agree:
-        first_child = jnp.full((batch, budget + 1), -1).at[
+        first_child = jnp.full((batch, budget + 1), budget + 1).at[
             jnp.arange(batch)[:, None], jnp.maximum(tree.parents, 0)].min(
             jnp.where(tree.parents >= 0, jnp.arange(budget + 1), budget + 1), mode="drop")
         token = jnp.take_along_axis(tree.tokens, jnp.clip(first_child, 0, budget), axis=1)
