@@ -357,9 +357,11 @@ def generate(
     elif max_len < needed:
         raise ValueError(f"max_len={max_len} is too small: prompts of up to {prompt_BT.shape[1]} tokens plus "
                          f"max_new_tokens={max_new_tokens} and a tree of {spec.num_nodes} nodes need {needed} slots")
-    if needed > target.config.max_position_embeddings:
-        raise ValueError(f"prompt length {prompt_BT.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "
-                         f"target's max_position_embeddings={target.config.max_position_embeddings}")
+    last_position = int(prompt_BT.shape[1]) + max_new_tokens + spec.depth
+    if last_position > target.config.max_position_embeddings:
+        raise ValueError(f"prompt length {prompt_BT.shape[1]} + max_new_tokens {max_new_tokens} (+ {spec.depth} "
+                         f"draft positions) exceeds the target's max_position_embeddings="
+                         f"{target.config.max_position_embeddings}")
     key = jax.random.key(0) if key is None else key
     drafter = None if spec.method == "ar" else drafter
 

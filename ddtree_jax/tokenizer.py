@@ -30,7 +30,7 @@ class Tokenizer:
         self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Tokenizer":
+    def from_file(cls, path: str | Path) -> Tokenizer:
         """Load a `tokenizer.json` written by HF `tokenizers`."""
         path = Path(path)
         if not path.is_file():
@@ -38,7 +38,7 @@ class Tokenizer:
         return cls(tokenizers.Tokenizer.from_file(str(path)))
 
     @classmethod
-    def default(cls) -> "Tokenizer":
+    def default(cls) -> Tokenizer:
         """The tokenizer shipped in `ddtree_jax/assets/tokenizer.json`."""
         return cls.from_file(DEFAULT_PATH)
 

@@ -1,19 +1,27 @@
 """Benchmark the Pallas kernels against the XLA paths at Qwen3-8B shapes (meant for a GPU).
 
-Tree attention (32 query heads, 8 KV heads, head_dim 128, bf16): the Triton kernel vs the
-models' XLA attention and ``jax.nn.dot_product_attention`` with a mask, for N tree nodes,
-a committed context and a batch; achieved HBM bandwidth counts the K/V bytes the call must
-read (prefix + tree, every KV head) plus the queries and outputs.
+- ``attention``: tree attention (32 query heads, 8 KV heads, head_dim 128, bf16), the Triton
+  kernel vs the models' XLA attention (and ``jax.nn.dot_product_attention`` with a mask with
+  ``--dpa``), for N tree nodes, a committed context and a batch. Achieved HBM bandwidth counts
+  the bytes the call must move: K/V of the prefix and the tree for every KV head, queries and
+  outputs.
+- ``sweep``: the candidate tilings of ``SWEEP_CONFIGS`` on a few shapes (how the measured
+  config table entry is chosen).
+- ``sampling``: fused tree sampling vs the jnp path (``verify_from_coins``) for V = 151,936,
+  tree budgets and batches, plain temperature and temperature + top-k + top-p; also checks
+  that both give the same results, and relates the time to a Qwen3-8B verify forward's
+  weight-streaming floor (16.4 GB of bf16 weights at the HBM bandwidth).
 
-    PYTHONPATH=. python experiments/bench_kernels.py --out experiments/results
+    PYTHONPATH=. python experiments/bench_kernels.py attention sampling --out experiments/results
 
-prints a table and writes ``--name`` (default ``bench_kernels.json``) under ``--out``. ``--sweep`` also times the
-candidate tilings of ``SWEEP_CONFIGS`` (how the measured config table entry was chosen).
+prints tables and writes ``bench_<part>.json`` under ``--out`` after every shape. Every
+executable of a part is compiled up front, in parallel threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import platform
 import time
@@ -23,19 +31,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.tree import build_tree
+from ddtree_jax.verify import verify_from_coins
 from pallas_kernels import configs
 from pallas_kernels.configs import TreeAttentionConfig
 from pallas_kernels.reference import tree_attention_reference
 from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_sampling import tree_sample
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+VOCAB, DRAFT_DEPTH = 151_936, 15
+QWEN3_8B_WEIGHT_BYTES = 16.4e9
 SWEEP_CONFIGS = {
     "m64k64w4s3": TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=3),
     "m64k128w4s3": TreeAttentionConfig(block_m=64, block_k=128, num_warps=4, num_stages=3),
     "m128k64w8s3": TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3),
     "m64k64w4s4": TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=4),
     "m128k128w8s2": TreeAttentionConfig(block_m=128, block_k=128, num_warps=8, num_stages=2),
+    "m64k64w4s3p528": TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=3,
+                                          min_programs=528),
 }
+SAMPLING_PARAMS = {"T1": (1.0, 0, 1.0), "T0.7_k50_p0.9": (0.7, 50, 0.9)}
 
 
 def tree_mask(num_nodes: int) -> np.ndarray:
@@ -46,8 +62,16 @@ def tree_mask(num_nodes: int) -> np.ndarray:
     return mask
 
 
+def attention_shapes(batch, nodes, context, dtype=jnp.bfloat16):
+    slots = context + nodes
+    s = jax.ShapeDtypeStruct
+    return (s((batch, nodes, HEADS, HEAD_DIM), dtype), s((batch, KV_HEADS, slots, HEAD_DIM), dtype),
+            s((batch, KV_HEADS, slots, HEAD_DIM), dtype), s((batch,), jnp.int32),
+            s((batch, nodes, nodes), jnp.bool_))
+
+
 def attention_inputs(batch, nodes, context, dtype=jnp.bfloat16, seed=0):
-    """Random q, a cache of ``context + nodes`` slots, lengths = context, a tree mask."""
+    """Random q and cache of ``context + nodes`` slots, lengths = context, a tree mask."""
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     slots = context + nodes
     q = jax.random.normal(kq, (batch, nodes, HEADS, HEAD_DIM), dtype)
@@ -58,71 +82,100 @@ def attention_inputs(batch, nodes, context, dtype=jnp.bfloat16, seed=0):
     return q, k, v, lengths, mask
 
 
-def dot_product_attention(q, k, v, lengths, mask, *, scale):
-    """``jax.nn.dot_product_attention`` with the full visibility mask (cache transposed to BSKD)."""
-    slots, nodes = k.shape[2], mask.shape[2]
-    rel = jnp.arange(slots)[None, :] - lengths[:, None]
-    tree_part = jnp.take_along_axis(mask, jnp.clip(rel, 0, nodes - 1)[:, None, :].repeat(mask.shape[1], 1),
-                                    axis=2)
-    visible = (rel < 0)[:, None] | (tree_part & ((rel >= 0) & (rel < nodes))[:, None])
-    return jax.nn.dot_product_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                                        mask=visible[:, None], scale=scale)
-
-
-def time_per_call(fn, args, *, chain=8, repeats=5) -> float:
-    """Seconds per call: ``chain`` dependent calls in one jit (q += 1e-6 * out), median of repeats."""
-    def chained(q, *rest):
-        for _ in range(chain):
-            q = q + (1e-6 * fn(q, *rest)).astype(q.dtype)
-        return q
-    run = jax.jit(chained)
-    jax.block_until_ready(run(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append((time.perf_counter() - start) / chain)
-    return float(np.median(times))
-
-
 def attention_bytes(batch, nodes, context, dtype=jnp.bfloat16) -> int:
     item = jnp.dtype(dtype).itemsize
     kv = 2 * batch * KV_HEADS * (context + nodes) * HEAD_DIM * item
     return kv + 2 * batch * nodes * HEADS * HEAD_DIM * item
 
 
-def bench_attention(batches, nodes_list, contexts, *, peak_gbs, deadline, sweep, report):
-    """Time every implementation on every shape; ``report(records)`` after each shape."""
-    scale = HEAD_DIM ** -0.5
-    impls = {
-        "pallas": lambda *a: tree_attention(*a, scale=scale, backend="triton"),
-        "xla": lambda *a: tree_attention_reference(*a, scale=scale),
-        "dpa": lambda *a: dot_product_attention(*a, scale=scale),
-    }
-    if sweep:
-        impls.update({f"pallas_{name}": (lambda c: lambda *a: tree_attention(
-            *a, scale=scale, backend="triton", config=c))(c) for name, c in SWEEP_CONFIGS.items()})
+def dot_product_attention(q, k, v, lengths, mask, *, scale):
+    """``jax.nn.dot_product_attention`` with the full visibility mask (cache transposed to BSKD)."""
+    slots, nodes = k.shape[2], mask.shape[2]
+    rel = jnp.arange(slots)[None, :] - lengths[:, None]
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, nodes - 1)[:, None, :], (*mask.shape[:2], slots))
+    tree_part = jnp.take_along_axis(mask, idx, axis=2) & ((rel >= 0) & (rel < nodes))[:, None]
+    visible = (rel < 0)[:, None] | tree_part
+    return jax.nn.dot_product_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                        mask=visible[:, None], scale=scale)
+
+
+def chained(fn, chain):
+    """``chain`` dependent calls of an attention function (q += 1e-6 * out), for timing."""
+    def run(q, *rest):
+        for _ in range(chain):
+            q = q + (1e-6 * fn(q, *rest)).astype(q.dtype)
+        return q
+    return run
+
+
+def compile_all(jobs, workers=12):
+    """``{name: compiled}`` for ``{name: (fn, arg_shapes)}``: lowered here, compiled in threads.
+
+    A job that fails gives its exception instead of an executable.
+    """
+    lowered = {}
+    for name, (fn, shapes) in jobs.items():
+        try:
+            lowered[name] = jax.jit(fn).lower(*shapes)
+        except Exception as err:  # noqa: BLE001 (recorded with the results)
+            lowered[name] = err
+
+    def compile_one(item):
+        name, low = item
+        if isinstance(low, Exception):
+            return name, low
+        try:
+            return name, low.compile()
+        except Exception as err:  # noqa: BLE001
+            return name, err
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return dict(pool.map(compile_one, lowered.items()))
+
+
+def median_seconds(compiled, args, *, repeats=3, per_call=1) -> float:
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append((time.perf_counter() - start) / per_call)
+    return float(np.median(times))
+
+
+def error_text(err) -> str:
+    return f"{type(err).__name__}: {str(err)[:300]}"
+
+
+def bench_attention(shapes, impls, *, peak_gbs, deadline, report, chain=8):
+    """Time ``impls`` (name -> attention function) on ``(batch, nodes, context)`` shapes."""
+    jobs = {(shape, name): (chained(fn, chain), attention_shapes(*shape))
+            for shape in shapes for name, fn in impls.items()}
+    start = time.perf_counter()
+    compiled = compile_all(jobs)
+    print(f"compiled {len(jobs)} executables in {time.perf_counter() - start:.0f} s", flush=True)
     records = []
-    for batch in batches:
-        for nodes in nodes_list:
-            for context in contexts:
-                if time.monotonic() > deadline:
-                    print("time budget reached, stopping", flush=True)
-                    return records
-                args = attention_inputs(batch, nodes, context)
-                nbytes = attention_bytes(batch, nodes, context)
-                row = dict(batch=batch, nodes=nodes, context=context, bytes=nbytes)
-                for name, fn in impls.items():
-                    try:
-                        seconds = time_per_call(fn, args)
-                        row[name] = dict(ms=seconds * 1e3, gbs=nbytes / seconds / 1e9,
-                                         hbm_frac=nbytes / seconds / 1e9 / peak_gbs)
-                    except Exception as err:  # noqa: BLE001 (an OOM or unsupported path is a result)
-                        row[name] = dict(error=f"{type(err).__name__}: {str(err)[:200]}")
-                records.append(row)
-                report(records)
-                print(format_attention_row(row, sorted(impls)), flush=True)
-                del args
+    for shape in shapes:
+        if time.monotonic() > deadline:
+            print("time budget reached, stopping", flush=True)
+            break
+        args = attention_inputs(*shape)
+        nbytes = attention_bytes(*shape)
+        row = dict(batch=shape[0], nodes=shape[1], context=shape[2], bytes=nbytes)
+        for name in impls:
+            exe = compiled[(shape, name)]
+            try:
+                if isinstance(exe, Exception):
+                    raise exe
+                seconds = median_seconds(exe, args, per_call=chain)
+                row[name] = dict(ms=seconds * 1e3, gbs=nbytes / seconds / 1e9,
+                                 hbm_frac=nbytes / seconds / 1e9 / peak_gbs)
+            except Exception as err:  # noqa: BLE001 (an OOM or unsupported path is a result)
+                row[name] = dict(error=error_text(err))
+        records.append(row)
+        report(records)
+        print(format_attention_row(row, list(impls)), flush=True)
+        del args
     return records
 
 
@@ -137,38 +190,109 @@ def format_attention_row(row, names):
     return " | ".join(cells)
 
 
-def copy_bandwidth_gbs(nbytes=1 << 30) -> float:
-    """Measured read + write bandwidth of an elementwise pass over ``nbytes`` of bf16."""
-    x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
-    seconds = time_per_call(lambda q: q * 0.5, (x,), chain=4)
-    return 2 * nbytes / seconds / 1e9
+def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0):
+    """A drafted tree of ``budget`` nodes, float32 target logits, coins and parameters."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    draft = 3.0 * jax.random.normal(keys[0], (batch, DRAFT_DEPTH, vocab), jnp.bfloat16)
+    tree = build_tree(draft, jnp.zeros((batch,), jnp.int32), budget=budget)
+    logits = 4.0 * jax.random.normal(keys[1], (batch, budget + 1, vocab), jnp.float32)
+    coins = jax.random.uniform(keys[2], (batch, budget + 1), minval=1e-6, maxval=1.0)
+    final = jax.random.uniform(keys[3], (batch,), minval=1e-6, maxval=1.0)
+    t, k, p = (jnp.full((batch,), x) for x in params)
+    return tree, logits, coins, final, t.astype(jnp.float32), k.astype(jnp.int32), p.astype(jnp.float32)
+
+
+def bench_sampling(cases, *, vocab, peak_gbs, deadline, report):
+    """Fused sampling vs the jnp path on ``(budget, batch, params name)`` cases."""
+    impls = {"fused": lambda *a: tree_sample(*a, backend="triton"), "jnp": verify_from_coins}
+    floor_s = QWEN3_8B_WEIGHT_BYTES / (peak_gbs * 1e9)
+    make = lambda budget, batch, pname: sampling_inputs(batch, budget, SAMPLING_PARAMS[pname], vocab)  # noqa: E731
+    jobs = {(case, name): (fn, jax.eval_shape(lambda c=case: make(*c)))
+            for case in cases for name, fn in impls.items()}
+    start = time.perf_counter()
+    compiled = compile_all(jobs)
+    print(f"compiled {len(jobs)} executables in {time.perf_counter() - start:.0f} s", flush=True)
+    records = []
+    for case in cases:
+        if time.monotonic() > deadline:
+            print("time budget reached, stopping", flush=True)
+            break
+        args = make(*case)
+        row = dict(budget=case[0], batch=case[1], params=case[2])
+        results = {}
+        for name in impls:
+            try:
+                exe = compiled[(case, name)]
+                if isinstance(exe, Exception):
+                    raise exe
+                results[name] = jax.block_until_ready(exe(*args))
+                seconds = median_seconds(exe, args, repeats=5)
+                row[name] = dict(ms=seconds * 1e3, frac_of_verify_floor=seconds / floor_s)
+            except Exception as err:  # noqa: BLE001
+                row[name] = dict(error=error_text(err))
+        if len(results) == 2:
+            same = [bool(np.array_equal(np.asarray(getattr(results["fused"], f)),
+                                        np.asarray(getattr(results["jnp"], f))))
+                    for f in ("accept_index", "emitted", "predicts")]
+            row["identical"] = all(same)
+            row["requests_differing"] = int(np.sum(np.any(
+                np.asarray(results["fused"].emitted) != np.asarray(results["jnp"].emitted), axis=1)))
+            row["mean_accepted"] = float(np.mean(np.asarray(results["jnp"].num_accepted)))
+        records.append(row)
+        report(records)
+        print(row, flush=True)
+        del args, results
+    return records
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="+", choices=("attention", "sweep", "sampling"))
     parser.add_argument("--out", default="experiments/results")
-    parser.add_argument("--name", default="bench_kernels.json", help="JSON file name under --out")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--nodes", default="16,64,256")
     parser.add_argument("--contexts", default="1024,4096,16384,32768,65536")
+    parser.add_argument("--sweep-contexts", default="16384")
+    parser.add_argument("--sampling-cases", default="64:1,64:8,64:64,256:1,256:16,1024:1,1024:4",
+                        help="budget:batch pairs")
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--dpa", action="store_true", help="also time jax.nn.dot_product_attention")
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
-                        help="HBM bandwidth used for the fraction column (H200: 4.8 TB/s)")
+                        help="HBM bandwidth for the fraction columns (H200: 4.8 TB/s)")
     parser.add_argument("--budget-s", type=float, default=240.0,
-                        help="stop starting new shapes after this many seconds")
-    parser.add_argument("--sweep", action="store_true", help="also time SWEEP_CONFIGS")
+                        help="per part, stop starting new shapes after this many seconds")
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     device = jax.devices()[0]
     info = dict(python=platform.python_version(), jax=jax.__version__, device=device.device_kind,
-                capability=configs.device_capability(),
-                config=str(configs.tree_attention_config()), copy_gbs=copy_bandwidth_gbs())
+                capability=configs.device_capability(), config=str(configs.tree_attention_config()))
     print(info, flush=True)
-    path = Path(args.out) / args.name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    report = lambda records: path.write_text(json.dumps(dict(info=info, attention=records), indent=1))  # noqa: E731
-    deadline = time.monotonic() + args.budget_s
-    bench_attention(ints(args.batches), ints(args.nodes), ints(args.contexts), peak_gbs=args.peak_gbs,
-                    deadline=deadline, sweep=args.sweep, report=report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scale = HEAD_DIM ** -0.5
+    for part in args.parts:
+        path = out / f"bench_{part}.json"
+        report = lambda records, path=path: path.write_text(  # noqa: E731
+            json.dumps(dict(info=info, records=records), indent=1))
+        deadline = time.monotonic() + args.budget_s
+        if part == "sampling":
+            cases = [(int(b), int(n), pname) for pname in SAMPLING_PARAMS
+                     for b, n in (c.split(":") for c in args.sampling_cases.split(","))]
+            bench_sampling(cases, vocab=args.vocab, peak_gbs=args.peak_gbs, deadline=deadline,
+                           report=report)
+            continue
+        contexts = ints(args.contexts if part == "attention" else args.sweep_contexts)
+        shapes = [(b, n, c) for b in ints(args.batches) for n in ints(args.nodes) for c in contexts]
+        if part == "attention":
+            impls = {"pallas": lambda *a: tree_attention(*a, scale=scale, backend="triton"),
+                     "xla": lambda *a: tree_attention_reference(*a, scale=scale)}
+            if args.dpa:
+                impls["dpa"] = lambda *a: dot_product_attention(*a, scale=scale)
+        else:
+            impls = {name: (lambda c: lambda *a: tree_attention(*a, scale=scale, backend="triton",
+                                                                 config=c))(c)
+                     for name, c in SWEEP_CONFIGS.items()}
+        bench_attention(shapes, impls, peak_gbs=args.peak_gbs, deadline=deadline, report=report)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ddtree_jax.tokenizer import Tokenizer
+from ddtree_jax.tokenizer import DEFAULT_PATH, Tokenizer
 
 
 def print_device_info() -> None:
@@ -31,7 +31,7 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
     if not 0 <= warmup < steps:
         raise ValueError(f"--warmup must be in [0, --steps={steps}), got {warmup}")
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     return optax.chain(optax.clip_by_global_norm(clip),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
 
@@ -51,6 +51,7 @@ def batches(blocks: Iterator[np.ndarray], batch: int) -> Iterator[np.ndarray]:
 
 
 def param_count(tree) -> int:
+    """Number of scalars in the arrays of `tree`."""
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
@@ -73,16 +74,16 @@ def save_loss_plot(path: Path, curves: dict[str, tuple[list, list]], title: str)
 
 
 def write_json(path: Path, obj) -> None:
+    """Indented, key-sorted JSON with a trailing newline."""
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def copy_tokenizer(tokenizer_path: Path, out: Path) -> None:
+    """Ship the tokenizer next to the weights (`out/tokenizer.json`)."""
     shutil.copyfile(tokenizer_path, out / "tokenizer.json")
 
 
 def load_tokenizer(path: Path | None) -> tuple[Tokenizer, Path]:
     """The tokenizer at `path` (default: the packaged one) and the file it came from."""
-    from ddtree_jax.tokenizer import DEFAULT_PATH
-
     path = DEFAULT_PATH if path is None else Path(path)
     return Tokenizer.from_file(path), path

@@ -25,22 +25,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
 
-from ddtree_jax import corpus  # noqa: E402
-from ddtree_jax.checkpoint import load_target, save_drafter  # noqa: E402
-from ddtree_jax.models.cache import commit, init_cache  # noqa: E402
-from ddtree_jax.models.dflash import DFlashConfig, Drafter, drafter_head, drafter_hidden, init_drafter  # noqa: E402
-from ddtree_jax.models.qwen3 import Target, target_forward, target_forward_nocache  # noqa: E402
-from experiments import common  # noqa: E402
+from ddtree_jax import corpus
+from ddtree_jax.checkpoint import load_target, save_drafter
+from ddtree_jax.models.cache import commit, init_cache
+from ddtree_jax.models.dflash import (
+    DFlashConfig,
+    Drafter,
+    drafter_head,
+    drafter_hidden,
+    init_drafter,
+)
+from ddtree_jax.models.qwen3 import Target, target_forward, target_forward_nocache
+from experiments import common
 
-TINY = dict(layers=1, block_size=4, taps="0,1", seq_len=32, anchors=4, batch=4, steps=8, warmup=2,
-            eval_every=4, eval_batches=2, max_files=3, log_every=2, gen_sequences=8, gen_batch=8,
-            gen_prompt_len=8)
+TINY = {"layers": 1, "block_size": 4, "taps": "0,1", "seq_len": 32, "anchors": 4, "batch": 4, "steps": 8, "warmup": 2,
+            "eval_every": 4, "eval_batches": 2, "max_files": 3, "log_every": 2, "gen_sequences": 8, "gen_batch": 8,
+            "gen_prompt_len": 8}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--max-files", type=int, default=None, help="first N train files only")
-    p.add_argument("--gen-sequences", type=int, default=8192, help="--data generations: sequences to sample")
+    p.add_argument("--gen-sequences", type=int, default=16384, help="--data generations: sequences to sample")
     p.add_argument("--gen-batch", type=int, default=512)
     p.add_argument("--gen-prompt-len", type=int, default=32, help="corpus tokens that start each generation")
     p.add_argument("--eval-every", type=int, default=500)
@@ -172,19 +178,21 @@ def draft_logits(drafter: Drafter, target: Target, tokens_BS, anchors_BA):
 
 
 def drafter_loss(params, config: DFlashConfig, target: Target, tokens_BS, anchors_BA, weights_L, compute_dtype):
-    """Position-weighted cross-entropy: ``sum_k w_k CE_k / sum_k w_k``, averaged over blocks."""
+    """Position-weighted cross-entropy ``sum_k w_k CE_k / sum_k w_k`` averaged over blocks, and
+    ``correct [B, A, Q-1]``: whether the drafter's top-1 at slot k equals the label."""
     drafter = Drafter(config=config, params=common.cast_floats(params, compute_dtype))
     logits_BALV, labels_BAL = draft_logits(drafter, target, tokens_BS, anchors_BA)
     ce_BAL = optax.softmax_cross_entropy_with_integer_labels(logits_BALV, labels_BAL)
-    return (ce_BAL * weights_L).sum(-1).mean() / weights_L.sum()
+    loss = (ce_BAL * weights_L).sum(-1).mean() / weights_L.sum()
+    return loss, jnp.argmax(logits_BALV, -1) == labels_BAL
 
 
 def make_train_step(config: DFlashConfig, optimizer, weights_L, compute_dtype):
     """A jitted `(params, opt_state, target, tokens_BS, anchors_BA) -> (params, opt_state, loss)`."""
 
     def step(params, opt_state, target, tokens_BS, anchors_BA):
-        loss, grads = jax.value_and_grad(drafter_loss)(params, config, target, tokens_BS, anchors_BA,
-                                                       weights_L, compute_dtype)
+        (loss, _), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
+            params, config, target, tokens_BS, anchors_BA, weights_L, compute_dtype)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -192,17 +200,9 @@ def make_train_step(config: DFlashConfig, optimizer, weights_L, compute_dtype):
 
 
 def make_eval(config: DFlashConfig, weights_L, compute_dtype):
-    """A jitted `(params, target, tokens_BS, anchors_BA) -> (loss, correct [B, A, Q-1] bool)`
-    where `correct` says whether the drafter's top-1 at slot k equals the label."""
-
-    def evaluate(params, target, tokens_BS, anchors_BA):
-        drafter = Drafter(config=config, params=common.cast_floats(params, compute_dtype))
-        logits_BALV, labels_BAL = draft_logits(drafter, target, tokens_BS, anchors_BA)
-        ce_BAL = optax.softmax_cross_entropy_with_integer_labels(logits_BALV, labels_BAL)
-        loss = (ce_BAL * weights_L).sum(-1).mean() / weights_L.sum()
-        return loss, jnp.argmax(logits_BALV, -1) == labels_BAL
-
-    return jax.jit(evaluate)
+    """A jitted `(params, target, tokens_BS, anchors_BA) -> (loss, correct)` (see `drafter_loss`)."""
+    return jax.jit(lambda params, target, tokens_BS, anchors_BA: drafter_loss(
+        params, config, target, tokens_BS, anchors_BA, weights_L, compute_dtype))
 
 
 def acceptance_proxy(correct_NL: np.ndarray) -> dict:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tokenizers  # noqa: E402
-from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from ddtree_jax import corpus  # noqa: E402
-from ddtree_jax.tokenizer import DEFAULT_PATH, SPECIAL_TOKENS, Tokenizer  # noqa: E402
+from ddtree_jax import corpus
+from ddtree_jax.tokenizer import DEFAULT_PATH, SPECIAL_TOKENS, Tokenizer
 
 
 def train_bpe(texts: list[str], vocab_size: int, min_frequency: int) -> tokenizers.Tokenizer:

@@ -14,12 +14,13 @@ FIELDS = ("accept_index", "num_accepted", "predicts", "emitted", "bonus")
 
 
 def make_round(seed, *, batch, depth, vocab, budget, logit_scale=3.0, tie_step=None, agree=0.0,
-               dtype=jnp.float32):
+               dtype=jnp.float32, topk_cap=None):
     """A drafted tree, target logits, coins. ``tie_step`` rounds logits to create ties;
     ``agree`` adds that much to each node's logit of its first child's token."""
     keys = jax.random.split(jax.random.key(seed), 5)
     draft = 2.0 * jax.random.normal(keys[0], (batch, depth, vocab))
-    tree = build_tree(draft, jax.random.randint(keys[1], (batch,), 0, vocab), budget=budget)
+    tree = build_tree(draft, jax.random.randint(keys[1], (batch,), 0, vocab), budget=budget,
+                      topk_cap=topk_cap)
     logits = logit_scale * jax.random.normal(keys[2], (batch, budget + 1, vocab))
     if tie_step:
         logits = jnp.round(logits / tie_step) * tie_step
@@ -62,17 +63,19 @@ def test_mixed_parameters_match_jnp_path(seed):
 
 
 def test_ties_at_top_k_and_top_p_boundaries():
-    rows = [(1.0, 7, 1.0), (1.0, 33, 1.0), (0.8, 0, 0.9), (1.0, 12, 0.7), (0.0, 0, 1.0)]
+    """Integer logits: dozens of tokens share the boundary value of most kept sets."""
+    rows = [(1.0, 7, 1.0), (1.0, 20, 1.0), (1.0, 0, 0.3), (1.0, 0, 0.6), (1.0, 12, 0.5),
+            (0.5, 3, 1.0), (1.0, 0, 0.9), (2.0, 40, 0.8), (0.0, 0, 1.0)]
     tree, logits, coins, final = make_round(11, batch=len(rows), depth=3, vocab=257, budget=9,
-                                            tie_step=0.5)
+                                            logit_scale=1.0, tie_step=1.0)
     assert_same(tree, logits, coins, final, *params(*rows), block_v=32)
 
 
 def test_long_accepted_paths_and_depth_limit():
     """Target logits that favour the drafts: walks reach the depth limit (nothing rejected)."""
     rows = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.5, 10, 0.9), (1.0, 0, 0.95)]
-    tree, logits, coins, final = make_round(5, batch=len(rows), depth=5, vocab=200, budget=10,
-                                            logit_scale=1.0, agree=12.0)
+    tree, logits, coins, final = make_round(5, batch=len(rows), depth=5, vocab=200, budget=5,
+                                            logit_scale=1.0, agree=12.0, topk_cap=1)
     out = assert_same(tree, logits, coins, final, *params(*rows), block_v=64)
     assert int(jnp.max(out.num_accepted)) == tree.max_depth
 

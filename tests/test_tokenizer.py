@@ -1,7 +1,8 @@
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddtree_jax import corpus
 from ddtree_jax.tokenizer import DEFAULT_PATH, Tokenizer

@@ -10,11 +10,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_jax.checkpoint import load_drafter, load_target  # noqa: E402
-from ddtree_jax.models.dflash import DFlashConfig, drafter_logits, init_drafter  # noqa: E402
-from ddtree_jax.models.qwen3 import Qwen3Config, init_target, target_logits  # noqa: E402
-from ddtree_jax.tokenizer import DEFAULT_PATH, Tokenizer  # noqa: E402
-from experiments import common, train_drafter, train_target  # noqa: E402
+from ddtree_jax.checkpoint import load_drafter, load_target
+from ddtree_jax.models.dflash import DFlashConfig, drafter_logits, init_drafter
+from ddtree_jax.models.qwen3 import Qwen3Config, init_target, target_logits
+from ddtree_jax.tokenizer import DEFAULT_PATH, Tokenizer
+from experiments import common, train_drafter, train_target
 
 V, MASK = 64, 1
 
