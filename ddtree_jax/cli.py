@@ -66,7 +66,8 @@ def _prompt_ids(args, tokenizer) -> list[int]:
         try:
             return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
-            raise SystemExit(f"ddtree: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+            msg = f"ddtree: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}"
+            raise SystemExit(msg) from None
     if tokenizer is None:
         raise SystemExit("ddtree: the target directory has no tokenizer.json; pass --prompt-ids")
     return tokenizer.encode(args.prompt)
@@ -101,7 +102,7 @@ def cmd_generate(args) -> int:
                        max_new_tokens=args.max_new_tokens, key=jax.random.key(args.seed), stop_tokens=stop,
                        on_round=stream)
     except ValueError as err:
-        raise SystemExit(f"ddtree: {err}")
+        raise SystemExit(f"ddtree: {err}") from None
     ids = [int(t) for t in res.tokens[0, : res.lengths[0]]]
     stats = res.summary()
     stats.update(method=args.method, budget=args.budget, topk_cap=args.topk_cap, temperature=args.temperature,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from ddtree_jax import checks
 from ddtree_jax.sampling import coins_from_keys, request_keys, row_probs
-from ddtree_jax.tree import DraftTree, ancestor_ids, compile_retrieve
+from ddtree_jax.tree import DraftTree, ancestor_ids
 
 
 @functools.partial(

@@ -109,7 +109,8 @@ def test_target_probs_and_expected_acceptance_match_oracle(case):
 def test_parents_from_fcns_inverts_compile_retrieve():
     tree, _ = random_case(0, 3, 5, 7, 40, 3, 1.0)
     fcns = compile_retrieve(tree)
-    np.testing.assert_array_equal(np.asarray(parents_from_fcns(fcns.next_token, fcns.next_sibling)), np.asarray(tree.parents))
+    parents = parents_from_fcns(fcns.next_token, fcns.next_sibling)
+    np.testing.assert_array_equal(np.asarray(parents), np.asarray(tree.parents))
 
 
 def test_greedy_verify_walks_the_target_argmax():
@@ -135,7 +136,7 @@ def test_results_do_not_depend_on_the_batch():
     t, k, p = random_params(8, 4)
     whole = verify(tree, logits, key=jax.random.key(1), temperature=t, top_k=k, top_p=p, request_ids=np.arange(10, 14))
     for b in range(4):
-        one = jax.tree_util.tree_map(lambda x: x[b : b + 1], tree)
+        one = jax.tree_util.tree_map(lambda x, b=b: x[b : b + 1], tree)
         alone = verify(one, logits[b : b + 1], key=jax.random.key(1), temperature=t[b], top_k=k[b], top_p=p[b],
                        request_ids=np.array([10 + b]))
         np.testing.assert_array_equal(np.asarray(alone.emitted[0]), np.asarray(whole.emitted[b]))
@@ -174,7 +175,8 @@ def test_bad_sampling_parameters_raise(kwargs, message):
 def test_bad_data_is_reported():
     tree, logits = random_case(0, 2, 3, 5, 4, None, 1.0)
     with pytest.raises(ValueError, match="non-finite"):
-        verify(tree, np.where(np.arange(5) == 2, np.nan, logits).astype(np.float32), key=jax.random.key(0), temperature=1.0)
+        nan_logits = np.where(np.arange(5) == 2, np.nan, logits).astype(np.float32)
+        verify(tree, nan_logits, key=jax.random.key(0), temperature=1.0)
     with pytest.raises(ValueError, match="target_logits"):
         verify(tree, logits[:, :3], key=jax.random.key(0), temperature=1.0)
     fcns = compile_retrieve(tree)
