@@ -129,8 +129,14 @@ def compile_all(jobs, workers=12):
         except Exception as err:  # noqa: BLE001
             return name, err
 
+    start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return dict(pool.map(compile_one, lowered.items()))
+        compiled = dict(pool.map(compile_one, lowered.items()))
+    print(f"compiled {len(jobs)} executables in {time.perf_counter() - start:.0f} s", flush=True)
+    for name, exe in compiled.items():
+        if isinstance(exe, Exception):
+            print(f"{name}: {error_text(exe)}", flush=True)
+    return compiled
 
 
 def median_seconds(compiled, args, *, repeats=3, per_call=1) -> float:
@@ -147,13 +153,15 @@ def error_text(err) -> str:
     return f"{type(err).__name__}: {str(err)[:300]}"
 
 
-def bench_attention(shapes, impls, *, peak_gbs, deadline, report, chain=8):
-    """Time ``impls`` (name -> attention function) on ``(batch, nodes, context)`` shapes."""
+def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8):
+    """Time ``impls`` (name -> attention function) on ``(batch, nodes, context)`` shapes.
+
+    ``budget_s``: seconds after compiling past which no new shape starts.
+    """
     jobs = {(shape, name): (chained(fn, chain), attention_shapes(*shape))
             for shape in shapes for name, fn in impls.items()}
-    start = time.perf_counter()
     compiled = compile_all(jobs)
-    print(f"compiled {len(jobs)} executables in {time.perf_counter() - start:.0f} s", flush=True)
+    deadline = time.monotonic() + budget_s
     records = []
     for shape in shapes:
         if time.monotonic() > deadline:
@@ -202,16 +210,16 @@ def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0):
     return tree, logits, coins, final, t.astype(jnp.float32), k.astype(jnp.int32), p.astype(jnp.float32)
 
 
-def bench_sampling(cases, *, vocab, peak_gbs, deadline, report):
-    """Fused sampling vs the jnp path on ``(budget, batch, params name)`` cases."""
+def bench_sampling(cases, *, vocab, peak_gbs, budget_s, report):
+    """Fused sampling vs the jnp path on ``(budget, batch, params name)`` cases (``budget_s`` as
+    in ``bench_attention``)."""
     impls = {"fused": lambda *a: tree_sample(*a, backend="triton"), "jnp": verify_from_coins}
     floor_s = QWEN3_8B_WEIGHT_BYTES / (peak_gbs * 1e9)
     make = lambda budget, batch, pname: sampling_inputs(batch, budget, SAMPLING_PARAMS[pname], vocab)  # noqa: E731
     jobs = {(case, name): (fn, jax.eval_shape(lambda c=case: make(*c)))
             for case in cases for name, fn in impls.items()}
-    start = time.perf_counter()
     compiled = compile_all(jobs)
-    print(f"compiled {len(jobs)} executables in {time.perf_counter() - start:.0f} s", flush=True)
+    deadline = time.monotonic() + budget_s
     records = []
     for case in cases:
         if time.monotonic() > deadline:
@@ -260,7 +268,7 @@ def main(argv=None):
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
                         help="HBM bandwidth for the fraction columns (H200: 4.8 TB/s)")
     parser.add_argument("--budget-s", type=float, default=240.0,
-                        help="per part, stop starting new shapes after this many seconds")
+                        help="per part, stop starting new shapes this many seconds after compiling")
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     device = jax.devices()[0]
@@ -274,11 +282,10 @@ def main(argv=None):
         path = out / f"bench_{part}.json"
         report = lambda records, path=path: path.write_text(  # noqa: E731
             json.dumps(dict(info=info, records=records), indent=1))
-        deadline = time.monotonic() + args.budget_s
         if part == "sampling":
             cases = [(int(b), int(n), pname) for pname in SAMPLING_PARAMS
                      for b, n in (c.split(":") for c in args.sampling_cases.split(","))]
-            bench_sampling(cases, vocab=args.vocab, peak_gbs=args.peak_gbs, deadline=deadline,
+            bench_sampling(cases, vocab=args.vocab, peak_gbs=args.peak_gbs, budget_s=args.budget_s,
                            report=report)
             continue
         contexts = ints(args.contexts if part == "attention" else args.sweep_contexts)
@@ -292,7 +299,7 @@ def main(argv=None):
             impls = {name: (lambda c: lambda *a: tree_attention(*a, scale=scale, backend="triton",
                                                                  config=c))(c)
                      for name, c in SWEEP_CONFIGS.items()}
-        bench_attention(shapes, impls, peak_gbs=args.peak_gbs, deadline=deadline, report=report)
+        bench_attention(shapes, impls, peak_gbs=args.peak_gbs, budget_s=args.budget_s, report=report)
 
 
 if __name__ == "__main__":

@@ -27,22 +27,8 @@ from ddtree_jax import corpus  # noqa: E402
 from ddtree_jax.checkpoint import load_drafter, load_target  # noqa: E402
 from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
 from ddtree_jax.engine import generate  # noqa: E402
+from ddtree_jax.stats import bootstrap_ci, per_request_tau  # noqa: E402
 from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
-
-
-def per_request_tau(result) -> tuple[np.ndarray, np.ndarray]:
-    """Emitted tokens and rounds per request (a request's tau is their ratio)."""
-    accepted = np.stack([r.accepted for r in result.rounds])  # [rounds, B], -1 once finished
-    live = accepted >= 0
-    return np.where(live, accepted + 1, 0).sum(0), live.sum(0)
-
-
-def bootstrap_ci(emitted, rounds, *, draws=2000, seed=0) -> tuple[float, float]:
-    """95% interval of the pooled tau, resampling prompts."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(emitted), size=(draws, len(emitted)))
-    taus = emitted[idx].sum(1) / rounds[idx].sum(1)
-    return float(np.percentile(taus, 2.5)), float(np.percentile(taus, 97.5))
 
 
 def parse_methods(spec: str) -> list[tuple[str, str, int]]:

@@ -1,14 +1,17 @@
 """Launch parameters of the Pallas kernels, keyed by CUDA compute capability.
 
-Only the Hopper entry was measured (on an H200, see ``experiments/bench_kernels.py``). The
-Blackwell entries are chosen by reasoning from the Hopper one and are marked unmeasured:
+Only the Hopper entry was measured: on an H200 (``experiments/bench_kernels.py sweep``, Qwen3-8B
+heads, context 16k, batch 1 and 16, 16 and 256 tree nodes) 128-row blocks with 8 warps were
+1.2-1.6x faster than 64-row blocks with 4 warps at 256 nodes; at 16 nodes (64 packed rows) the
+block shrinks to 64 rows and 4 warps (see ``launch_warps``), the best measured there. Deeper
+pipelines (4 stages) and 128-key blocks did not help. The Blackwell entries are chosen by
+reasoning from the Hopper one and are marked unmeasured:
 
 - ``(10, 0)`` (B200-class, sm_100): about 1.7x the HBM bandwidth of an H200 and the same
-  228 KB of shared memory per SM, so the Hopper tiles with one more pipeline stage to keep more
-  loads in flight;
+  228 KB of shared memory per SM, 148 SMs: the Hopper tiles, more programs for more SMs;
 - ``(12, 0)`` (RTX PRO 6000 / consumer Blackwell, sm_120): no wgmma/tcgen05, about 100 KB of
-  shared memory per SM and a third of the H200's bandwidth: smaller key blocks and two stages
-  so that the double-buffered K/V tiles fit, 4 warps.
+  shared memory per SM, 188 SMs and a third of the H200's bandwidth: 64-row blocks, 32-key
+  blocks and two stages so that the double-buffered K/V tiles fit.
 
 Ampere/Ada (``(8, x)``) get conservative defaults that also serve unknown GPUs.
 """
@@ -24,8 +27,10 @@ import jax
 class TreeAttentionConfig:
     """Tiling of the tree-attention kernel.
 
-    ``block_m``: packed query rows (tree nodes x query heads of one KV group) per program.
-    ``block_k``: keys per inner step. ``num_warps``/``num_stages``: Triton launch parameters.
+    ``block_m``: packed query rows (tree nodes x query heads of one KV group) per program; fewer
+    when there are fewer rows. ``block_k``: keys per inner step. ``num_warps``: Triton warps for
+    a full ``block_m`` block (scaled down with the block, see ``launch_warps``). ``num_stages``:
+    Triton software-pipelining depth.
     ``min_programs``: the prefix is split (split-K) until the grid has at least this many
     programs. ``min_chunk``: no split covers fewer than this many prefix slots.
     ``measured``: whether the entry was tuned on that hardware.
@@ -45,12 +50,16 @@ class TreeAttentionConfig:
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
 
+    def launch_warps(self, block_m: int) -> int:
+        """Warps for a block of ``block_m <= self.block_m`` rows: proportional, at least 4."""
+        return max(4, self.num_warps * block_m // self.block_m)
+
 
 TREE_ATTENTION_CONFIGS: dict[tuple[int, int], TreeAttentionConfig] = {
     (8, 0): TreeAttentionConfig(),
-    (9, 0): TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=3,
-                                min_programs=264, min_chunk=512, measured=False),
-    (10, 0): TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=4,
+    (9, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
+                                min_programs=264, min_chunk=512, measured=True),
+    (10, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
                                  min_programs=296, min_chunk=512),
     (12, 0): TreeAttentionConfig(block_m=64, block_k=32, num_warps=4, num_stages=2,
                                  min_programs=376, min_chunk=512),

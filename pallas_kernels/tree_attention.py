@@ -180,7 +180,9 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
         return attend(length + t * plan.block_t, key_ok, key_ok[None, :] & visible, carry)
 
     owner = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), plan.chunk), plan.num_splits - 1)
-    num_tree_blocks = lax.select(split == owner, jnp.int32(plan.new_pad // plan.block_t), jnp.int32(0))
+    # select, not jnp.where: a where between two Python ints lowers to an i1 loop bound.
+    num_tree_blocks = lax.select(split == owner, jnp.int32(plan.new_pad // plan.block_t),
+                                 jnp.int32(0))
     o_MD, m_M, l_M = lax.fori_loop(0, num_tree_blocks, tree_step, carry)
 
     if plan.num_splits == 1:
@@ -266,7 +268,7 @@ def _tree_attention_pallas(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale
                      pl.BlockSpec((None, None, None, plan.block_m), lambda r, j, b, h: (b, h, j, r))]
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps,
+        compiler_params=plt.CompilerParams(num_warps=config.launch_warps(plan.block_m),
                                            num_stages=config.num_stages),
         interpret=interpret, name="tree_attention",
     )(lengths_B, q_BKMD, k_BKSD, v_BKSD, mask_BRM)

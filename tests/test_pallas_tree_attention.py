@@ -154,5 +154,8 @@ def test_config_lookup():
     assert configs.tree_attention_config((8, 9)) is configs.TREE_ATTENTION_CONFIGS[(8, 0)]
     assert configs.tree_attention_config((12, 1)) is configs.TREE_ATTENTION_CONFIGS[(12, 0)]
     assert not configs.TREE_ATTENTION_CONFIGS[(10, 0)].measured
+    hopper = configs.TREE_ATTENTION_CONFIGS[(9, 0)]
+    assert hopper.launch_warps(hopper.block_m) == hopper.num_warps
+    assert hopper.launch_warps(16) == 4
     with pytest.raises(ValueError, match="block_k"):
         TreeAttentionConfig(block_k=48)

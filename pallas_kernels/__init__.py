@@ -1,0 +1,16 @@
+"""Pallas GPU kernels for the two hot spots of a DDTree round, each behind a jnp reference.
+
+- ``tree_attention``: tree-verify attention over a KV cache (GQA packing, split-K).
+- ``tree_sample``: fused tree verification from target logits (walk + final draw).
+
+Both take ``backend="auto" | "triton" | "interpret" | "xla"``; ``auto`` uses the Triton kernel
+on a CUDA GPU and the XLA path elsewhere.
+"""
+
+from pallas_kernels.configs import TreeAttentionConfig, tree_attention_config
+from pallas_kernels.reference import tree_attention_reference
+from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_sampling import tree_sample
+
+__all__ = ["TreeAttentionConfig", "tree_attention", "tree_attention_config",
+           "tree_attention_reference", "tree_sample"]

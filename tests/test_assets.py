@@ -1,0 +1,51 @@
+"""The shipped embedded pair loads and reproduces stored reference outputs."""
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ddtree_jax as dd
+from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ddtree_jax.tokenizer import Tokenizer
+
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+PROMPT_IDS = [534, 1246, 67, 272, 712, 656, 9, 79, 290, 279, 363, 326, 691, 456, 27, 263, 391, 326, 200]
+# Computed once from the shipped weights (fp32 on a CPU).
+TARGET_LAST_LOGITS_0_6 = [7.0090, -7.5481, 2.5942, -2.2493, 8.1700, 1.2990]
+TARGET_TOP5 = [200, 70, 4, 67, 2176]
+DRAFTER_ARGMAX_0_8 = [200, 534, 430, 64, 64, 64, 64, 9]
+DRAFTER_SLOT0_LOGITS_0_4 = [10.2546, -6.4472, 3.2255, 1.7384]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return dd.load_target(DEFAULT_TARGET, jnp.float32), dd.load_drafter(DEFAULT_DRAFTER, jnp.float32)
+
+
+def test_assets_are_small_and_complete():
+    files = [p for p in Path(DEFAULT_TARGET).parent.rglob("*") if p.is_file()]
+    names = {p.relative_to(Path(DEFAULT_TARGET).parent).as_posix() for p in files}
+    assert {"target/config.json", "target/model.safetensors", "target/tokenizer.json",
+            "drafter/config.json", "drafter/model.safetensors"} <= names
+    assert sum(p.stat().st_size for p in files) <= 25 * 2**20
+
+
+def test_tokenizer_encodes_the_reference_prompt():
+    assert Tokenizer.from_file(Path(DEFAULT_TARGET) / "tokenizer.json").encode(PROMPT) == PROMPT_IDS
+
+
+def test_target_reproduces_reference_logits(pair):
+    target, _ = pair
+    logits = np.asarray(dd.target_logits(target, jnp.asarray([PROMPT_IDS])))[0, -1]
+    np.testing.assert_allclose(logits[:6], TARGET_LAST_LOGITS_0_6, atol=2e-3)
+    assert np.argsort(-logits)[:5].tolist() == TARGET_TOP5
+
+
+def test_drafter_reproduces_reference_logits(pair):
+    target, drafter = pair
+    logits = np.asarray(dd.drafter_logits(drafter, target, jnp.asarray([PROMPT_IDS])))[0]
+    assert logits.shape == (drafter.config.block_size - 1, target.config.vocab_size)
+    assert logits.argmax(-1)[:8].tolist() == DRAFTER_ARGMAX_0_8
+    np.testing.assert_allclose(logits[0, :4], DRAFTER_SLOT0_LOGITS_0_4, atol=2e-3)
