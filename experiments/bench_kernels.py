@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import platform
 import time
@@ -296,8 +297,7 @@ def main(argv=None):
             if args.dpa:
                 impls["dpa"] = lambda *a: dot_product_attention(*a, scale=scale)
         else:
-            impls = {name: (lambda c: lambda *a: tree_attention(*a, scale=scale, backend="triton",
-                                                                 config=c))(c)
+            impls = {name: functools.partial(tree_attention, scale=scale, backend="triton", config=c)
                      for name, c in SWEEP_CONFIGS.items()}
         bench_attention(shapes, impls, peak_gbs=args.peak_gbs, budget_s=args.budget_s, report=report)
 

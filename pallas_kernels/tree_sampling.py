@@ -228,7 +228,13 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
 
     # A walk that stopped early rejected every child of its last node; one that reached the
     # depth limit examined none of them.
-    plt.store(rejected_ref.at[tokens], jnp.ones((nodes_pad,), jnp.int8), mask=children(cur) & ~active)
+    # Masked-out lanes repeat a rejected child's token rather than sitting out: a masked scatter
+    # with duplicate indices may write the old value back over a mark (the interpreter does).
+    rejected = children(cur) & ~active
+    first = jnp.min(jnp.where(rejected, node_ids, nodes_pad))
+    first_token = jnp.sum(jnp.where(node_ids == first, tokens, 0))
+    plt.store(rejected_ref.at[jnp.where(rejected, tokens, first_token)], jnp.ones((nodes_pad,), jnp.int8),
+              mask=jnp.broadcast_to(first < nodes_pad, (nodes_pad,)))
     if not interpret:  # the marks are read back by other threads (no barrier when interpreted)
         plt.debug_barrier()
 

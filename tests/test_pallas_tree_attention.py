@@ -63,7 +63,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("config", [SMALL, TreeAttentionConfig()], ids=["small", "default"])
+@pytest.mark.parametrize("config", [SMALL, configs.TREE_ATTENTION_CONFIGS[(9, 0)]],
+                         ids=["small", "sm90"])
 @pytest.mark.parametrize("seed", range(len(CASES)),
                          ids=[f"B{c[0]}N{c[1]}H{c[2]}K{c[3]}D{c[4]}S{c[5]}" for c in CASES])
 def test_interpret_matches_reference(seed, config):

@@ -62,6 +62,14 @@ def test_mixed_parameters_match_jnp_path(seed):
     assert_same(tree, logits, coins, final, *params(*MIXED), block_v=64)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 10])  # seed 10 failed before the fix
+def test_rejected_tokens_that_recur_elsewhere_in_the_tree(seed):
+    """A tiny vocabulary makes a rejected child's token recur at other nodes; the final draw must
+    still remove it (a masked scatter of duplicate ids once lost the mark)."""
+    tree, logits, coins, final = make_round(seed, batch=4, depth=4, vocab=8, budget=6, logit_scale=2.0)
+    assert_same(tree, logits, coins, final, *params((1.0, 3, 1.0), (1.0, 0, 1.0), (0.8, 0, 0.7), (1.0, 2, 1.0)))
+
+
 def test_ties_at_top_k_and_top_p_boundaries():
     """Integer logits: dozens of tokens share the boundary value of most kept sets."""
     rows = [(1.0, 7, 1.0), (1.0, 20, 1.0), (1.0, 0, 0.3), (1.0, 0, 0.6), (1.0, 12, 0.5),

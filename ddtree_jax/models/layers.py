@@ -10,6 +10,7 @@ run in float32; matmuls accumulate in float32 and return the activation dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -126,14 +127,37 @@ def attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale):
     return out_BKGND.transpose(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim).astype(q_BNHD.dtype)
 
 
-def cached_attend(mask_BNM, scale):
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret")
+_KERNEL_BACKEND = {"pallas": "triton", "interpret": "interpret", "auto": "auto"}
+
+
+def attention_impl_fn(impl: str):
+    """The attention function behind the ``attention_impl`` switch (same signature as `attention`).
+
+    ``"xla"``: `attention`; ``"pallas"``: the Pallas Triton tree-attention kernel (CUDA GPUs);
+    ``"auto"``: the kernel where it runs (a CUDA GPU of compute capability >= 8.0 and a
+    power-of-two head_dim >= 16), `attention` elsewhere; ``"interpret"``: the kernel run by the
+    Pallas interpreter (any backend; slow, for tests).
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "xla":
+        return attention
+    from pallas_kernels.tree_attention import tree_attention  # the kernels import this module
+
+    return functools.partial(tree_attention, backend=_KERNEL_BACKEND[impl])
+
+
+def cached_attend(mask_BNM, scale, impl: str = "xla"):
     """The `run_decoder` attention step over a `KVCache` state: write layer i's new K/V to the
-    scratch slots ``[lengths, lengths + N)``, then `attention` over the cache with ``mask``."""
+    scratch slots ``[lengths, lengths + N)``, then attention (``impl``, see `attention_impl_fn`)
+    over the cache with ``mask``."""
+    attend_fn = attention_impl_fn(impl)
 
     def attend(i, q_BNHD, k_BNKD, v_BNKD, cache: KVCache):
         cache = KVCache(k=write_scratch(cache.k, i, k_BNKD, cache.lengths),
                         v=write_scratch(cache.v, i, v_BNKD, cache.lengths), lengths=cache.lengths)
-        return attention(q_BNHD, cache.k[i], cache.v[i], cache.lengths, mask_BNM, scale=scale), cache
+        return attend_fn(q_BNHD, cache.k[i], cache.v[i], cache.lengths, mask_BNM, scale=scale), cache
 
     return attend
 
