@@ -4,6 +4,7 @@ from ddtree_jax.checkpoint import load_drafter, load_target, save_drafter, save_
 from ddtree_jax.engine import GenerateResult, generate
 from ddtree_jax.models import drafter_logits, target_logits
 from ddtree_jax.sampling import target_probs
+from ddtree_jax.sharding import make_mesh
 from ddtree_jax.tree import (
     DraftTree,
     Retrieve,
@@ -32,6 +33,7 @@ __all__ = [
     "generate",
     "load_drafter",
     "load_target",
+    "make_mesh",
     "save_drafter",
     "save_target",
     "target_logits",

@@ -31,6 +31,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="devices the target is tensor-parallel over")
+    p.add_argument("--dp", type=int, default=1, help="devices the batch of requests is split over")
+    p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto",
+                   help="tree-verify attention: the Pallas kernel on a supported GPU (auto) or XLA")
+    p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto",
+                   help="tree sampling: the jnp path (auto) or the fused Pallas kernel")
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET, help="HF-format target directory")
     p.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER, help="HF-format DFlash drafter directory")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -73,6 +79,17 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     return tokenizer.encode(args.prompt)
 
 
+def _mesh(args, target):
+    """The ``("dp", "tp")`` mesh of ``--tp``/``--dp`` (None for one device); ``ValueError`` when tp does
+    not divide the target's heads or the mesh needs more devices than there are."""
+    if (args.tp, args.dp) == (1, 1):
+        return None
+    from ddtree_jax import sharding
+
+    sharding.check_tp(target.config, args.tp)
+    return sharding.make_mesh(args.tp, args.dp)
+
+
 def cmd_generate(args) -> int:
     import jax
 
@@ -96,11 +113,13 @@ def cmd_generate(args) -> int:
     if not args.json and tokenizer is not None:
         sys.stdout.write(tokenizer.decode(prompt))
     try:
+        mesh = _mesh(args, target)
         res = generate(target, drafter, [prompt], method=args.method, budget=args.budget,
                        topk_cap=args.topk_cap or None, draft_temperature=args.draft_temperature,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        max_new_tokens=args.max_new_tokens, key=jax.random.key(args.seed), stop_tokens=stop,
-                       on_round=stream)
+                       on_round=stream, mesh=mesh, attention_impl=args.attention_impl,
+                       sampler_impl=args.sampler_impl)
     except ValueError as err:
         raise SystemExit(f"ddtree: {err}") from None
     ids = [int(t) for t in res.tokens[0, : res.lengths[0]]]
@@ -123,8 +142,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from ddtree_jax import sweep  # imports this module's defaults
+
+    sweep.add_arguments(sub.add_parser("sweep", help="sweep AR, chain and DDTree over a grid of settings to CSV",
+                                       description=sweep.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    return {"generate": cmd_generate}[args.command](args)
+    return {"generate": cmd_generate, "sweep": sweep.run_from_args}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -28,16 +28,19 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from ddtree_jax import checks
+from ddtree_jax import checks, sharding
 from ddtree_jax.models.cache import KVCache, commit, init_cache
 from ddtree_jax.models.dflash import Drafter, append_context, drafter_forward
+from ddtree_jax.models.layers import attention_impl_fn as attention_fn
 from ddtree_jax.models.qwen3 import Target, target_forward
 from ddtree_jax.sampling import coins_from_keys, request_keys, row_probs
 from ddtree_jax.tree import DraftTree, _build_tree, tree_attention_mask, tree_positions
 from ddtree_jax.verify import expected_acceptance, verify_from_coins
 
 METHODS = ("ar", "chain", "ddtree")
+SAMPLER_IMPLS = ("auto", "xla", "pallas", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,8 @@ class RoundSpec:
     topk_cap: int | None
     depth: int  # L, the drafter's block size - 1 (0 for AR)
     tap_layers: tuple[int, ...]
+    attention_impl: str = "xla"  # "xla" | "pallas" | "auto" (models.layers.attention_impl_fn)
+    sampler_impl: str = "xla"  # "xla" (verify_from_coins) | "pallas" (pallas_kernels.tree_sample)
 
     @property
     def num_nodes(self) -> int:
@@ -143,6 +148,16 @@ class GenerateResult:
         }
 
 
+def _sampler(impl: str):
+    """Step 5 behind the ``sampler_impl`` switch (``"interpret"``: the Pallas kernel interpreted, for
+    tests); all return the same `VerifyResult`."""
+    if impl == "xla":
+        return verify_from_coins
+    from pallas_kernels.tree_sampling import tree_sample
+
+    return functools.partial(tree_sample, backend="triton" if impl == "pallas" else impl)
+
+
 def _trivial_tree(root_B) -> DraftTree:
     """The AR "tree": the root alone."""
     batch = root_B.shape[0]
@@ -151,14 +166,15 @@ def _trivial_tree(root_B) -> DraftTree:
                      jnp.ones((batch,), jnp.int32), max_depth=0)
 
 
-def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature):
+def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh):
     """Steps 1–2: drafter forward (appending last round's context) and tree construction."""
     lengths = state.target_cache.lengths
     c = state.ctx_feats.shape[1]
     ctx_positions = (lengths - state.ctx_count)[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     draft_logits, drafter_cache = drafter_forward(
         drafter, target, state.drafter_cache, state.ctx_feats, ctx_positions, state.ctx_count,
-        state.root, lengths)
+        state.root, lengths, attention_impl=spec.attention_impl)
+    draft_logits = sharding.gather_vocab(draft_logits, mesh)
     tree = _build_tree(draft_logits, state.root, draft_temperature, budget=spec.budget, topk_cap=spec.topk_cap)
     return tree, drafter_cache
 
@@ -180,24 +196,28 @@ def _append_tokens(state, emitted_BD, count_B, stop_tokens, max_new_tokens):
     return tokens, num_generated, done
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "max_new_tokens", "with_expected"), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnames=("spec", "max_new_tokens", "with_expected", "mesh"),
+                   donate_argnums=(2,))
 def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sampling: SamplingParams, key,
                  request_ids, draft_temperature, stop_tokens, *, spec: RoundSpec, max_new_tokens: int,
-                 with_expected: bool = True):
+                 with_expected: bool = True, mesh: Mesh | None = None):
     """One round for every request (see the module docstring). Returns the new state and
-    ``(accepted [B], tree_size [B], expected [B])``."""
+    ``(accepted [B], tree_size [B], expected [B])``. With a ``mesh``, the state keeps the layout of
+    `sharding.state_shardings` (see `ddtree_jax.sharding`)."""
     live = ~state.done
     if spec.method == "ar":
         tree, drafter_cache = _trivial_tree(state.root), state.drafter_cache
     else:
-        tree, drafter_cache = _draft_tree(target, drafter, state, spec, draft_temperature)
+        tree, drafter_cache = _draft_tree(target, drafter, state, spec, draft_temperature, mesh)
     lengths = state.target_cache.lengths
     logits, taps, target_cache = target_forward(
         target, tree.tokens, tree_positions(tree, lengths), tree_attention_mask(tree), state.target_cache,
-        tap_layers=spec.tap_layers)
+        tap_layers=spec.tap_layers, attention_impl=spec.attention_impl)
+    logits = sharding.gather_vocab(logits, mesh)
     keys = request_keys(key, request_ids, state.round)
     coins, final_coins = coins_from_keys(keys, spec.num_nodes)
-    res = verify_from_coins(tree, logits, coins, final_coins, sampling.temperature, sampling.top_k, sampling.top_p)
+    res = _sampler(spec.sampler_impl)(tree, logits, coins, final_coins, sampling.temperature, sampling.top_k,
+                                      sampling.top_p)
     num_keep = jnp.where(live, res.num_accepted + 1, 0)
     target_cache = commit(target_cache, res.accept_index, num_keep)
     if spec.method != "ar":
@@ -217,19 +237,21 @@ def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sa
         expected = jnp.zeros(live.shape, jnp.float32)
     new_state = DecodeState(target_cache, drafter_cache, jnp.where(live, res.bonus, state.root), ctx_feats,
                             num_keep, tokens, num_generated, done, state.round + 1)
-    return new_state, (jnp.where(live, res.num_accepted, -1), tree.num_nodes, expected)
+    stats = (jnp.where(live, res.num_accepted, -1), tree.num_nodes, expected)
+    return sharding.constrain_state(new_state, mesh), stats
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "max_len", "max_new_tokens"))
+@functools.partial(jax.jit, static_argnames=("spec", "max_len", "max_new_tokens", "mesh"))
 def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *, spec: RoundSpec, max_len: int,
-            max_new_tokens: int) -> DecodeState:
+            max_new_tokens: int, mesh: Mesh | None = None) -> DecodeState:
     """Commit all prompt tokens but the last (the first round's root) and seed the drafter context."""
     batch, length = prompt_BT.shape
     cfg = target.config
     cache = init_cache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim, target.dtype)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
-    _, taps, cache = target_forward(target, prompt_BT, positions, causal, cache, tap_layers=spec.tap_layers)
+    _, taps, cache = target_forward(target, prompt_BT, positions, causal, cache, tap_layers=spec.tap_layers,
+                                    attention_impl=spec.attention_impl)
     committed = prompt_len_B - 1
     cache = commit(cache, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)), committed)
     root = prompt_BT[jnp.arange(batch), committed]
@@ -240,7 +262,7 @@ def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *,
                                    drafter.dtype)
         drafter_cache = append_context(drafter, drafter_cache, taps, positions, committed)
     feats = taps.shape[-1]
-    return DecodeState(
+    state = DecodeState(
         target_cache=cache,
         drafter_cache=drafter_cache,
         root=root.astype(jnp.int32),
@@ -251,6 +273,7 @@ def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *,
         done=jnp.zeros((batch,), bool),
         round=jnp.zeros((), jnp.int32),
     )
+    return sharding.constrain_state(state, mesh)
 
 
 def _pad_prompts(prompt_ids, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -277,12 +300,24 @@ def _pad_prompts(prompt_ids, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     return padded, lengths
 
 
-def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int, topk_cap: int | None) -> RoundSpec:
-    """Validate the method and tree settings against the models and return the round's static spec."""
+def _resolve_impls(attention_impl: str, sampler_impl: str) -> tuple[str, str]:
+    """Validate the kernel switches. ``sampler_impl="auto"`` means the jnp sampler: the fused Pallas
+    sampler is not yet validated on any GPU (BENCHMARKS.md), so it runs only when asked for."""
+    attention_fn(attention_impl)
+    if sampler_impl not in SAMPLER_IMPLS:
+        raise ValueError(f"sampler_impl must be one of {SAMPLER_IMPLS}, got {sampler_impl!r}")
+    return attention_impl, "xla" if sampler_impl == "auto" else sampler_impl
+
+
+def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int, topk_cap: int | None,
+              attention_impl: str = "xla", sampler_impl: str = "xla") -> RoundSpec:
+    """Validate the method, tree settings and kernel switches against the models; return the round's
+    static spec."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    impls = _resolve_impls(attention_impl, sampler_impl)
     if method == "ar":
-        return RoundSpec("ar", 1, None, 0, ())
+        return RoundSpec("ar", 1, None, 0, (), *impls)
     if drafter is None:
         raise ValueError(f"method {method!r} needs a drafter")
     dc, tc = drafter.config, target.config
@@ -296,7 +331,7 @@ def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int,
         budget, topk_cap = depth, 1
     elif topk_cap is not None:
         topk_cap = checks.positive_int("topk_cap", topk_cap)
-    return RoundSpec(method, budget, topk_cap, depth, tuple(dc.target_layer_ids))
+    return RoundSpec(method, budget, topk_cap, depth, tuple(dc.target_layer_ids), *impls)
 
 
 def generate(
@@ -317,7 +352,10 @@ def generate(
     request_ids=None,
     max_len: int | None = None,
     with_expected: bool = True,
+    attention_impl: str = "auto",
+    sampler_impl: str = "auto",
     on_round: Callable[[np.ndarray, np.ndarray, RoundStats], None] | None = None,
+    mesh: Mesh | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_new_tokens`` per request with AR, DFlash chain or DDTree decoding.
 
@@ -334,13 +372,21 @@ def generate(
       request_ids: int ``[batch]``, default ``arange(batch)``.
       max_len: KV cache slots per request (default: just enough).
       with_expected: compute the exact expected acceptance per round (costs a full target law per node).
+      attention_impl: ``"auto" | "xla" | "pallas"``: the Pallas tree-attention kernel on a supported GPU
+        (auto, without a ``mesh``), or the XLA path.
+      sampler_impl: ``"auto" | "xla" | "pallas"``: the fused Pallas tree sampler when asked for
+        (``"pallas"``), the jnp sampler otherwise (see `_resolve_impls`).
       on_round: called after each round with ``(tokens [B, *], num_generated [B], stats)`` (host arrays),
         e.g. to stream text.
+      mesh: a ``("dp", "tp")`` device mesh (`sharding.make_mesh`): the target runs tensor-parallel over
+        ``"tp"``, requests are split over ``"dp"`` (see `ddtree_jax.sharding`); tokens do not depend on it.
 
     Returns:
       ``GenerateResult`` (tokens ``[batch, max_new_tokens]``, ``-1`` padded; lengths; statistics).
     """
-    spec = make_spec(target, drafter, method, budget, topk_cap)
+    if mesh is not None and attention_impl == "auto":
+        attention_impl = "xla"  # the kernels do not run inside shard_map yet: XLA partitions the XLA path
+    spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
     if not (np.ndim(draft_temperature) == 0 and np.isfinite(draft_temperature) and draft_temperature > 0):
         raise ValueError(f"draft_temperature must be a finite number > 0, got {draft_temperature!r}")
@@ -364,12 +410,19 @@ def generate(
                          f"{target.config.max_position_embeddings}")
     key = jax.random.key(0) if key is None else key
     drafter = None if spec.method == "ar" else drafter
+    prompt_BT, prompt_len_B = jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B)
+    if mesh is not None:
+        sharding.check_mesh(mesh, target.config, batch)
+        target = sharding.shard_target(target, mesh)
+        drafter = None if drafter is None else sharding.shard_drafter(drafter, mesh)
+        prompt_BT, prompt_len_B, t, k, p, request_ids = sharding.shard_batch(
+            (prompt_BT, prompt_len_B, t, k, p, request_ids), mesh)
 
-    state = prefill(target, drafter, jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B), spec=spec,
-                    max_len=max_len, max_new_tokens=max_new_tokens)
+    state = prefill(target, drafter, prompt_BT, prompt_len_B, spec=spec, max_len=max_len,
+                    max_new_tokens=max_new_tokens, mesh=mesh)
     args = (SamplingParams(t, k, p), key, request_ids, jnp.float32(draft_temperature), jnp.asarray(stop))
     round_fn = decode_round.lower(target, drafter, state, *args, spec=spec, max_new_tokens=max_new_tokens,
-                                  with_expected=with_expected).compile()
+                                  with_expected=with_expected, mesh=mesh).compile()
     rounds, start = [], time.perf_counter()
     while True:
         tick = time.perf_counter()

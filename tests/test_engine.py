@@ -13,12 +13,12 @@ from ddtree_jax.engine import generate
 from ddtree_jax.models import DFlashConfig, Qwen3Config, init_drafter, init_target, target_logits
 
 
-def tiny_pair(vocab, seed=0, block_size=5):
+def tiny_pair(vocab, seed=0, block_size=5, head_dim=8):
     """A tiny fp32 target and drafter; a small vocabulary makes trees cover the likely continuations."""
     tc = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, tie_word_embeddings=True)
     dc = DFlashConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, block_size=block_size,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, block_size=block_size,
                       target_layer_ids=(0, 2), mask_token_id=vocab - 1, num_target_layers=3)
     target = init_target(tc, jax.random.key(seed), jnp.float32, std=0.4)
     drafter = init_drafter(dc, jax.random.key(seed + 1), jnp.float32, std=0.4)
@@ -176,3 +176,17 @@ def test_all_methods_share_one_round_function():
     law = exact_ar_law(target, [1, 2], 1.0, 0, 1.0, 2, 6)
     assert chi2_pvalue(res.tokens[:, :2], law) > 1e-3
     assert set(itertools.chain.from_iterable(res.tokens.tolist())) <= set(range(6))
+
+
+def test_pallas_kernels_behind_the_switches_give_the_same_tokens():
+    """The Pallas attention and fused sampler (interpreted on CPU) plug into the same round."""
+    target, drafter = tiny_pair(vocab=8, head_dim=16)
+    kw = dict(method="ddtree", budget=6, max_new_tokens=5, temperature=np.array([0.0, 1.0, 0.7, 1.0]),
+              top_p=np.array([1.0, 1.0, 0.8, 1.0]), top_k=np.array([0, 0, 0, 3]), key=jax.random.key(4))
+    xla = generate(target, drafter, PROMPTS, attention_impl="xla", sampler_impl="xla", **kw)
+    kernels = generate(target, drafter, PROMPTS, attention_impl="interpret", sampler_impl="interpret", **kw)
+    np.testing.assert_array_equal(kernels.tokens, xla.tokens)
+    with pytest.raises(ValueError, match="attention_impl"):
+        generate(target, drafter, PROMPTS, attention_impl="cuda", **kw)
+    with pytest.raises(ValueError, match="sampler_impl"):
+        generate(target, drafter, PROMPTS, sampler_impl="fast", **kw)

@@ -1,0 +1,363 @@
+"""Parameter sweeps: acceptance and speed of AR, DFlash chain and DDTree over a grid of settings.
+
+A *cell* is one setting of every knob: method, node budget, top-k cap, target temperature, top-p,
+top-k and draft temperature. The grid is the product of the knob lists, canonicalised so that knobs
+a cell ignores take their neutral value and duplicates vanish: AR has no tree (budget 0, cap 0) and
+no drafter (draft temperature 1); the chain is the drafter's argmax per slot (budget L, cap 1,
+draft temperature 1); greedy cells (temperature 0) have top-p 1 and top-k 0; a cap of at least the
+budget is no cap (0). Top-p and top-k vary one at a time (the other off) unless ``cross_truncation``.
+
+Each cell generates ``new_tokens`` tokens for every held-out prompt (no stop token), prompt ``i``
+with request id ``i`` and ``jax.random.key(seed)``, so all cells see the same prompts and the same
+coin streams. The output CSV has one row per cell and prompt; a cell's rows are appended once it
+is finished, and a rerun skips finished cells (resumable). ``<out>.json`` records every run's
+command, date, device and settings.
+
+    python experiments/sweep.py --quick          # or: ddtree sweep --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from ddtree_jax import corpus
+from ddtree_jax.checkpoint import load_drafter, load_target
+from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ddtree_jax.engine import METHODS, generate
+from ddtree_jax.stats import per_request_tau
+from ddtree_jax.tokenizer import DEFAULT_PATH as DEFAULT_TOKENIZER
+from ddtree_jax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Cell:
+    """One grid point. ``topk_cap = 0`` means no cap; see the module docstring for AR and chain."""
+
+    method: str
+    budget: int
+    topk_cap: int
+    temperature: float
+    top_p: float
+    top_k: int
+    draft_temperature: float
+
+
+CELL_FIELDS = tuple(f.name for f in dataclasses.fields(Cell))
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The knob lists whose (canonicalised) product is swept."""
+
+    methods: tuple[str, ...]
+    budgets: tuple[int, ...]
+    topk_caps: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    top_ps: tuple[float, ...]
+    top_ks: tuple[int, ...]
+    draft_temperatures: tuple[float, ...]
+    cross_truncation: bool = False
+
+    def __post_init__(self):
+        _check_values("methods", self.methods, lambda m: m in METHODS, f"one of {METHODS}")
+        _check_values("budgets", self.budgets, lambda b: b >= 1, ">= 1")
+        _check_values("topk_caps", self.topk_caps, lambda c: c >= 0, ">= 0 (0 = no cap)")
+        _check_values("temperatures", self.temperatures, lambda t: np.isfinite(t) and t >= 0, "finite and >= 0")
+        _check_values("top_ps", self.top_ps, lambda p: 0 < p <= 1, "in (0, 1]")
+        _check_values("top_ks", self.top_ks, lambda k: k >= 0, ">= 0 (0 = off)")
+        _check_values("draft_temperatures", self.draft_temperatures, lambda t: np.isfinite(t) and t > 0,
+                      "finite and > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every cell shares. All but ``batch`` must match to resume an existing CSV.
+
+    ``target`` and ``drafter`` are HF-format directories, or ``"embedded"`` for the packaged pair.
+    """
+
+    target: str
+    drafter: str
+    dtype: str
+    prompts: int
+    prompt_tokens: int
+    new_tokens: int
+    prompt_seed: int
+    seed: int
+    batch: int
+
+    def __post_init__(self):
+        for name in ("prompts", "prompt_tokens", "new_tokens", "batch"):
+            _check_values(name, (getattr(self, name),), lambda v: v >= 1, ">= 1")
+
+
+EMBEDDED = "embedded"
+RESUME_FIELDS = ("target", "drafter", "dtype", "prompts", "prompt_tokens", "new_tokens", "prompt_seed", "seed")
+
+# Column -> parser; the CSV holds exactly these columns in this order.
+COLUMNS = {
+    "method": str, "budget": int, "topk_cap": int, "temperature": float, "top_p": float, "top_k": int,
+    "draft_temperature": float,
+    "prompt": int, "emitted": int, "rounds": int, "tau": float, "expected_accepted": float,
+    "mean_tree_size": float, "tokens_per_s": float, "cell_seconds": float,
+    "prompts": int, "prompt_tokens": int, "new_tokens": int, "prompt_seed": int, "seed": int, "batch": int,
+    "dtype": str, "target": str, "drafter": str, "device": str, "backend": str, "jax": str, "date": str,
+}
+
+GRID_FLAGS = ("methods", "budgets", "topk_caps", "temperatures", "top_ps", "top_ks", "draft_temperatures")
+QUICK = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 16, 64), topk_caps=(0,), temperatures=(0.0, 0.5, 1.0),
+             top_ps=(1.0, 0.8), top_ks=(0, 8), draft_temperatures=(0.5, 1.0, 2.0), prompts=6, prompt_tokens=48,
+             new_tokens=24, out="experiments/results/sweep_quick.csv")
+FULL = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 8, 16, 32, 64, 128, 256), topk_caps=(0, 8),
+            temperatures=(0.0, 0.6, 1.0), top_ps=(1.0, 0.95, 0.8), top_ks=(0, 20, 5),
+            draft_temperatures=(0.4, 0.6, 1.0, 1.5), prompts=64, prompt_tokens=64, new_tokens=128,
+            out="experiments/results/sweep.csv")
+
+
+def _check_values(name, values, ok, rule) -> None:
+    if not values:
+        raise ValueError(f"{name} must not be empty")
+    bad = [v for v in values if not ok(v)]
+    if bad:
+        raise ValueError(f"{name} must be {rule}, got {bad[0]!r}")
+
+
+def canonical(cell: Cell, depth: int) -> Cell:
+    """``cell`` with the knobs it ignores set to their neutral values (``depth`` = the drafter's L)."""
+    if cell.temperature == 0:
+        cell = dataclasses.replace(cell, top_p=1.0, top_k=0)
+    if cell.method == "ar":
+        return dataclasses.replace(cell, budget=0, topk_cap=0, draft_temperature=1.0)
+    if cell.method == "chain":
+        return dataclasses.replace(cell, budget=depth, topk_cap=1, draft_temperature=1.0)
+    return dataclasses.replace(cell, topk_cap=0) if cell.topk_cap >= cell.budget else cell
+
+
+def truncations(grid: Grid) -> list[tuple[float, int]]:
+    """``(top_p, top_k)`` pairs: the product, or each knob varied with the other off."""
+    if grid.cross_truncation:
+        return list(itertools.product(grid.top_ps, grid.top_ks))
+    return [(p, 0) for p in grid.top_ps] + [(1.0, k) for k in grid.top_ks]
+
+
+def grid_cells(grid: Grid, depth: int) -> list[Cell]:
+    """The distinct canonical cells of ``grid``, ordered so that cells sharing a compiled round are adjacent."""
+    cells = {
+        canonical(Cell(m, b, c, float(t), float(p), int(k), float(d)), depth)
+        for m, b, c, t, (p, k), d in itertools.product(grid.methods, grid.budgets, grid.topk_caps,
+                                                       grid.temperatures, truncations(grid),
+                                                       grid.draft_temperatures)
+    }
+    return sorted(cells, key=lambda c: (METHODS.index(c.method), c.budget, c.topk_cap, c))
+
+
+def cell_of(row: dict) -> Cell:
+    """The cell a CSV row belongs to."""
+    return Cell(*(row[f] for f in CELL_FIELDS))
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """The well-formed rows of a sweep CSV, values parsed (a truncated last line is dropped)."""
+    rows = []
+    with open(path, newline="") as f:
+        for raw in csv.DictReader(f):
+            try:
+                rows.append({name: parse(raw[name]) for name, parse in COLUMNS.items()})
+            except (KeyError, TypeError, ValueError):
+                continue
+    return rows
+
+
+def finished_rows(rows: list[dict], settings: Settings) -> list[dict]:
+    """Rows of the cells that have all ``settings.prompts`` prompts; ``ValueError`` if a row was made
+    with other settings (another model, prompt set, length, seed or dtype: resuming would mix them)."""
+    for row in rows:
+        for name in RESUME_FIELDS:
+            if str(row[name]) != str(getattr(settings, name)):
+                raise ValueError(f"the existing CSV was written with {name}={row[name]!r}, this run has "
+                                 f"{getattr(settings, name)!r}: choose another --out or pass --restart")
+    prompts = {}
+    for row in rows:
+        prompts.setdefault(cell_of(row), set()).add(row["prompt"])
+    done = {cell for cell, seen in prompts.items() if seen >= set(range(settings.prompts))}
+    return [row for row in rows if cell_of(row) in done]
+
+
+def write_rows(path: Path, rows: list[dict], *, append: bool) -> None:
+    """Write (or append) rows, header included for a new file; flushed to disk before returning."""
+    new = not append or not path.exists()
+    with open(path, "w" if new else "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_cell(target, drafter, prompts_PT: np.ndarray, cell: Cell, settings: Settings, device: dict) -> list[dict]:
+    """Generate for every prompt with ``cell``'s settings; one row per prompt (see ``COLUMNS``)."""
+    emitted, rounds, expected, tree_size, seconds, tokens = [], [], [], [], 0.0, 0
+    for start in range(0, len(prompts_PT), settings.batch):
+        chunk = prompts_PT[start:start + settings.batch]
+        res = generate(target, drafter, chunk, method=cell.method, budget=cell.budget,
+                       topk_cap=cell.topk_cap or None, draft_temperature=cell.draft_temperature,
+                       temperature=cell.temperature, top_k=cell.top_k, top_p=cell.top_p,
+                       max_new_tokens=settings.new_tokens, key=jax.random.key(settings.seed),
+                       request_ids=np.arange(start, start + len(chunk)))
+        e, r = per_request_tau(res)
+        live_RB = np.stack([x.accepted for x in res.rounds]) >= 0
+        emitted.append(e)
+        rounds.append(r)
+        expected.append(np.where(live_RB, np.stack([x.expected for x in res.rounds]), 0).sum(0))
+        tree_size.append(np.where(live_RB, np.stack([x.tree_size for x in res.rounds]), 0).sum(0))
+        seconds += res.seconds
+        tokens += int(res.lengths.sum())
+    emitted, rounds = np.concatenate(emitted), np.concatenate(rounds)
+    expected, tree_size = np.concatenate(expected), np.concatenate(tree_size)
+    shared = dict(dataclasses.asdict(cell), tokens_per_s=tokens / seconds, cell_seconds=seconds,
+                  **dataclasses.asdict(settings), **device)
+    rows = [dict(shared, prompt=i, emitted=int(emitted[i]), rounds=int(rounds[i]), tau=float(emitted[i] / rounds[i]),
+                 expected_accepted=float(expected[i] / rounds[i]), mean_tree_size=float(tree_size[i] / rounds[i]))
+            for i in range(len(prompts_PT))]
+    return [{name: row[name] for name in COLUMNS} for row in rows]
+
+
+def device_info() -> dict:
+    """The device columns: device kind, backend, JAX version, date."""
+    return dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                date=time.strftime("%Y-%m-%d"))
+
+
+def run_sweep(grid: Grid, settings: Settings, out: str | Path, *, tokenizer: str | Path | None = None,
+              restart: bool = False) -> list[dict]:
+    """Run every unfinished cell of ``grid`` and append its rows to the CSV ``out``; return all rows.
+
+    ``tokenizer`` (default: the target directory's ``tokenizer.json``, else the packaged one)
+    encodes the held-out prompts. ``restart`` discards an existing CSV instead of resuming it.
+    """
+    out = Path(out)
+    target_dir = DEFAULT_TARGET if settings.target == EMBEDDED else Path(settings.target)
+    drafter_dir = DEFAULT_DRAFTER if settings.drafter == EMBEDDED else Path(settings.drafter)
+    for name, path in (("target", target_dir), ("drafter", drafter_dir)):
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{name} {str(path)!r} is not an HF-format model directory (no config.json)")
+    if tokenizer is None:
+        tokenizer = target_dir / "tokenizer.json"
+        tokenizer = tokenizer if tokenizer.is_file() else DEFAULT_TOKENIZER
+    dtype = jnp.dtype(settings.dtype)
+    target, drafter = load_target(target_dir, dtype), load_drafter(drafter_dir, dtype)
+    cells = grid_cells(grid, depth=drafter.config.block_size - 1)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = [] if restart or not out.exists() else finished_rows(read_rows(out), settings)
+    write_rows(out, rows, append=False)  # drops unfinished cells and any truncated line
+    done = {cell_of(row) for row in rows}
+    todo = [cell for cell in cells if cell not in done]
+    _record_run(out.with_suffix(".json"), grid, settings, len(cells) - len(todo), len(todo))
+    if not todo:
+        return rows
+
+    prompts_PT = corpus.heldout_prompts(Tokenizer.from_file(tokenizer), settings.prompts, settings.prompt_tokens,
+                                        settings.prompt_seed)
+    device = device_info()
+    bar = tqdm(todo, desc="sweep", unit="cell")
+    for cell in bar:
+        bar.set_postfix_str(f"{cell.method} B={cell.budget} T={cell.temperature:g} p={cell.top_p:g} "
+                            f"k={cell.top_k} dT={cell.draft_temperature:g}")
+        new = run_cell(target, drafter, prompts_PT, cell, settings, device)
+        write_rows(out, new, append=True)
+        rows += new
+    return rows
+
+
+def _record_run(path: Path, grid: Grid, settings: Settings, skipped: int, pending: int) -> None:
+    runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    runs.append(dict(command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                     device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                     python=sys.version.split()[0], grid=dataclasses.asdict(grid),
+                     settings=dataclasses.asdict(settings), cells_skipped=skipped, cells_run=pending))
+    path.write_text(json.dumps(dict(runs=runs), indent=1) + "\n")
+
+
+def _model_name(path: Path, default: Path) -> str:
+    return EMBEDDED if path.resolve() == default.resolve() else str(path)
+
+
+def _list_of(kind):
+    def parse(text: str) -> tuple:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+
+    parse.__name__ = f"comma-separated {kind.__name__}"
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sweep's flags (shared by ``experiments/sweep.py`` and ``ddtree sweep``)."""
+    lists = [("--methods", str, "methods: ar, chain, ddtree"), ("--budgets", int, "DDTree node budgets"),
+             ("--topk-caps", int, "DDTree per-depth rank caps (0 = none)"),
+             ("--temperatures", float, "target temperatures (0 = greedy)"), ("--top-ps", float, "top-p values"),
+             ("--top-ks", int, "top-k values (0 = off)"), ("--draft-temperatures", float, "draft temperatures")]
+    for flag, kind, what in lists:
+        parser.add_argument(flag, type=_list_of(kind), help=f"comma-separated {what} (default: the preset's)")
+    parser.add_argument("--cross-truncation", action="store_true",
+                        help="sweep the product of top-p and top-k (default: vary one with the other off)")
+    for flag, what in [("--prompts", "held-out prompts"), ("--prompt-tokens", "tokens per prompt"),
+                       ("--new-tokens", "tokens generated per prompt")]:
+        parser.add_argument(flag, type=int, help=what)
+    parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the held-out prompt choice")
+    parser.add_argument("--seed", type=int, default=0, help="sampling key seed")
+    parser.add_argument("--batch", type=int, default=64, help="prompts per generate call")
+    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET,
+                        help="HF-format target directory (default: the embedded one)")
+    parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER,
+                        help="HF-format DFlash drafter directory (default: the embedded one)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the target's, else the packaged one)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="auto = float32 on CPU, bfloat16 on accelerators")
+    parser.add_argument("--out", type=Path, help="output CSV")
+    parser.add_argument("--quick", action="store_true",
+                        help="the small preset grid (a few minutes on a CPU) instead of the full one")
+    parser.add_argument("--restart", action="store_true", help="discard an existing output CSV instead of resuming")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Fill unset flags from the quick or full preset, then ``run_sweep``."""
+    preset = QUICK if args.quick else FULL
+    get = lambda name: preset[name] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    try:
+        grid = Grid(**{name: get(name) for name in GRID_FLAGS}, cross_truncation=args.cross_truncation)
+        settings = Settings(target=_model_name(args.target, DEFAULT_TARGET),
+                            drafter=_model_name(args.drafter, DEFAULT_DRAFTER), dtype=dtype, prompts=get("prompts"),
+                            prompt_tokens=get("prompt_tokens"), new_tokens=get("new_tokens"),
+                            prompt_seed=args.prompt_seed, seed=args.seed, batch=args.batch)
+        out = Path(get("out"))
+        rows = run_sweep(grid, settings, out, tokenizer=args.tokenizer, restart=args.restart)
+    except ValueError as err:
+        raise SystemExit(f"sweep: {err}") from None
+    print(f"{len({cell_of(r) for r in rows})} cells, {len(rows)} rows in {out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python experiments/sweep.py [flags]`` (the same as ``ddtree sweep``)."""
+    parser = argparse.ArgumentParser(prog="sweep", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

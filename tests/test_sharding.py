@@ -1,0 +1,176 @@
+"""Sharding: the target tensor-parallel over "tp" and requests split over "dp" give the unsharded results.
+
+The sharded runs need 8 devices, so they run in two subprocesses started with
+``--xla_force_host_platform_device_count=8`` (`sharded_check.py`) while this process computes the
+unsharded references on its own device. Cases are ``MODEL:TP:DP``; model "a" has 8 KV heads and a
+vocabulary of 8 (cache and vocabulary split at every tp), model "b" 2 KV heads and a vocabulary of 10
+(both replicated at tp = 4).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import sharded_check
+from ddtree_jax import engine, sharding
+from ddtree_jax.cli import main as cli_main
+from ddtree_jax.models import Qwen3Config
+
+CASES = ("a:1:1", "a:2:1", "a:4:1", "a:8:1", "b:4:2")
+WORKERS = (("a:1:1", "a:4:1", "b:4:2"), ("a:2:1", "a:8:1"))
+ROW_SPLIT = {"wqkv", "wo", "w_gate_up", "w_down"}
+
+
+def parse(case):
+    model, tp, dp = case.split(":")
+    return model, int(tp), int(dp)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``(unsharded reference per model, sharded results per case)``, see `sharded_check.run_case`."""
+    out = tmp_path_factory.mktemp("sharded")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    script = str(Path(__file__).with_name("sharded_check.py"))
+    procs = [subprocess.Popen([sys.executable, script, str(out / f"{i}.json"), *cases], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i, cases in enumerate(WORKERS)]
+    try:
+        reference = {model: sharded_check.run_case(model, None) for model in sharded_check.MODELS}
+        results = {}
+        for i, proc in enumerate(procs):
+            log, _ = proc.communicate(timeout=900)
+            assert proc.returncode == 0, log.decode()[-4000:]
+            results.update(json.loads((out / f"{i}.json").read_text()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return reference, results
+
+
+def test_all_cases_ran(runs):
+    assert set(runs[1]) >= set(CASES)
+    assert all(r["tau"] > 1.5 for r in runs[0].values())  # trees are accepted: commits of several tokens
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefill_and_verify_logits_match_unsharded(runs, case):
+    reference, results = runs
+    for key in ("prefill_logits", "verify_logits"):
+        np.testing.assert_allclose(results[case][key], reference[parse(case)[0]][key], rtol=1e-5, atol=1e-5,
+                                   err_msg=key)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_generated_tokens_match_unsharded(runs, case):
+    """Request 0 is greedy; requests 1-3 sample (plain, top-k, top-p) from the same key."""
+    reference, results = runs
+    tokens = np.asarray(results[case]["tokens"])
+    np.testing.assert_array_equal(tokens, reference[parse(case)[0]]["tokens"])
+    assert (tokens >= 0).all()
+
+
+def expected_target_shard(path, shape, tp, vocab):
+    """The partition rules, stated on shard shapes."""
+    name = path.rsplit("'", 2)[-2]
+    if name in ROW_SPLIT or (name == "embed" and vocab % tp == 0):
+        return [shape[0] // tp, shape[1]]
+    if name == "lm_head" and vocab % tp == 0:
+        return [shape[0], shape[1] // tp]
+    return list(shape)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parameter_shardings(runs, case):
+    model, tp, dp = parse(case)
+    target, drafter = sharded_check.tiny_models(model)
+    results = runs[1][case]
+    for params, placed, rule in ((target.params, results["target_params"], expected_target_shard),
+                                 (drafter.params, results["drafter_params"], lambda path, shape, *_: list(shape))):
+        shapes = {jax.tree_util.keystr(path): x.shape for path, x in jax.tree_util.tree_leaves_with_path(params)}
+        assert set(placed) == set(shapes)
+        for path, (shard, devices) in placed.items():
+            assert shard == rule(path, shapes[path], tp, target.config.vocab_size), path
+            assert devices == tp * dp, path
+    qkv_columns = (8 + 2 * sharded_check.MODELS[model]["num_key_value_heads"]) * 8
+    assert results["target_params"]["['layers'][0]['wqkv']"][0] == [64 // tp, qkv_columns]
+    assert ("['lm_head']" in results["target_params"]) == (model == "a")  # b ties it to the embedding
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cache_and_state_shardings(runs, case):
+    model, tp, dp = parse(case)
+    results, devices = runs[1][case], tp * dp
+    kv_heads = sharded_check.MODELS[model]["num_key_value_heads"]
+    heads, batch = (kv_heads // tp if kv_heads % tp == 0 else kv_heads), len(sharded_check.PROMPTS) // dp
+    assert results["forward_cache"][".k"] == [[2, batch, heads, 24, 8], devices]
+    for key in ("state_after_prefill", "state_after_round"):
+        state = results[key]
+        for name in (".k", ".v"):
+            assert state[".target_cache" + name] == [[2, batch, heads, 40, 8], devices]
+            assert state[".drafter_cache" + name] == [[1, batch, 2, 40, 16], devices]  # replicated over tp
+        for name, (shard, placed_on) in state.items():
+            assert placed_on == devices, name
+            if name != ".round" and not name.endswith((".k", ".v")):
+                assert shard[0] == batch, name
+    assert results["state_after_round"] == results["state_after_prefill"]
+    assert results["round_keeps_layout"]
+
+
+def test_batch_not_divisible_by_dp(runs):
+    assert runs[1]["odd_batch_error"] == "dp=2 does not divide the batch size 3"
+
+
+def test_ar_on_a_one_device_mesh_matches_unsharded():
+    """AR has no drafter cache in its state; the mesh path must place the rest."""
+    target, _ = sharded_check.tiny_models("b")
+    kwargs = dict(method="ar", temperature=[0.0, 1.0, 1.0, 0.0], max_new_tokens=5, key=jax.random.key(1))
+    plain = engine.generate(target, None, sharded_check.PROMPTS, **kwargs)
+    meshed = engine.generate(target, None, sharded_check.PROMPTS, **kwargs, mesh=sharding.make_mesh())
+    np.testing.assert_array_equal(meshed.tokens, plain.tokens)
+
+
+def test_make_mesh():
+    mesh = sharding.make_mesh()
+    assert mesh.axis_names == ("dp", "tp") and dict(mesh.shape) == {"dp": 1, "tp": 1}
+    with pytest.raises(ValueError, match=r"tp=8 x dp=64 needs 512 devices, but only \d+ are available"):
+        sharding.make_mesh(8, 64)
+    with pytest.raises(ValueError, match="tp must be"):
+        sharding.make_mesh(0)
+    with pytest.raises(ValueError, match="dp must be"):
+        sharding.make_mesh(1, 1.5)
+
+
+@pytest.mark.parametrize("field,value,tp", [("num_attention_heads", 8, 3), ("hidden_size", 36, 8),
+                                            ("intermediate_size", 100, 8)])
+def test_check_tp_names_the_size_it_does_not_divide(field, value, tp):
+    sizes = dict(num_attention_heads=8, hidden_size=64, intermediate_size=128) | {field: value}
+    config = Qwen3Config(vocab_size=8, num_hidden_layers=1, num_key_value_heads=2, head_dim=8, **sizes)
+    with pytest.raises(ValueError, match=f"tp={tp} does not divide the target's {field}={value}"):
+        sharding.check_tp(config, tp)
+
+
+def test_check_mesh_wants_dp_tp_axes():
+    config = Qwen3Config(vocab_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    mesh = sharding.make_mesh()
+    sharding.check_mesh(mesh, config, batch=3)
+    with pytest.raises(ValueError, match="axes"):
+        sharding.check_mesh(Mesh(mesh.devices.reshape(-1), ("x",)), config)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tp", "3"], "tp=3 does not divide the target's num_attention_heads=8"),
+    (["--tp", "8", "--dp", "64"], "needs 512 devices"),
+])
+def test_cli_tp_errors(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        cli_main(["generate", "--max-new-tokens", "4", "--json", *argv])

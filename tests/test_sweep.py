@@ -1,0 +1,112 @@
+"""Sweeps: the canonical grid, CSV rows, resuming (also after an interrupted write), ``ddtree sweep``, plots."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddtree_jax import cli
+from ddtree_jax.sweep import COLUMNS, Grid, Settings, cell_of, grid_cells, read_rows, run_sweep
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments import plot  # noqa: E402
+
+GRID = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 16), topk_caps=(0, 4, 16), temperatures=(0.0, 1.0),
+            top_ps=(1.0, 0.9), top_ks=(0, 5), draft_temperatures=(1.0, 2.0))
+
+
+def test_grid_is_canonical_and_grouped_by_compiled_round():
+    cells = grid_cells(Grid(**GRID), depth=15)
+    assert len(cells) == len(set(cells))
+    # T = 0 ignores truncation; T = 1 varies top-p and top-k one at a time: (1, 0), (0.9, 0), (1, 5).
+    samplings = {(0.0, 1.0, 0), (1.0, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 5)}
+    ar = [c for c in cells if c.method == "ar"]
+    assert {(c.temperature, c.top_p, c.top_k) for c in ar} == samplings and len(ar) == 4
+    assert {(c.budget, c.topk_cap, c.draft_temperature) for c in ar} == {(0, 0, 1.0)}
+    chain = [c for c in cells if c.method == "chain"]
+    assert len(chain) == 4 and {(c.budget, c.topk_cap, c.draft_temperature) for c in chain} == {(15, 1, 1.0)}
+    trees = [c for c in cells if c.method == "ddtree"]
+    # A cap >= the budget is no cap: B=4 keeps cap 0 only, B=16 caps 0 and 4.
+    assert {(c.budget, c.topk_cap) for c in trees} == {(4, 0), (16, 0), (16, 4)}
+    assert len(trees) == 3 * 2 * 4
+    rounds = [(c.method, c.budget, c.topk_cap) for c in cells]
+    assert len(set(rounds)) == len([r for i, r in enumerate(rounds) if i == 0 or r != rounds[i - 1]])
+
+    crossed = grid_cells(dataclasses.replace(Grid(**GRID), cross_truncation=True), depth=15)
+    assert len([c for c in crossed if c.method == "ar"]) == 1 + 4
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("methods", ("beam",), "methods"), ("budgets", (0,), "budgets"), ("topk_caps", (-1,), "topk_caps"),
+    ("temperatures", (-0.5,), "temperatures"), ("top_ps", (1.5,), "top_ps"), ("top_ks", (-2,), "top_ks"),
+    ("draft_temperatures", (0.0,), "draft_temperatures"), ("budgets", (), "budgets must not be empty"),
+])
+def test_bad_grid_values_are_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        Grid(**dict(GRID, **{field: value}))
+
+
+def tiny(tmp_path, temperatures):
+    grid = Grid(methods=("ar", "ddtree"), budgets=(4,), topk_caps=(0,), temperatures=temperatures, top_ps=(1.0,),
+                top_ks=(0,), draft_temperatures=(1.0,))
+    settings = Settings(target="embedded", drafter="embedded", dtype="float32", prompts=2, prompt_tokens=16,
+                        new_tokens=6, prompt_seed=0, seed=0, batch=2)
+    return grid, settings, tmp_path / "sweep.csv"
+
+
+def test_tiny_sweep_resumes_and_plots(tmp_path):
+    grid, settings, out = tiny(tmp_path, (0.0,))
+    rows = run_sweep(grid, settings, out)
+    assert read_rows(out) == rows and len(rows) == 2 * 2
+    assert list(rows[0]) == list(COLUMNS)
+    for row in rows:
+        assert row["tau"] == pytest.approx(row["emitted"] / row["rounds"])
+        assert row["emitted"] >= settings.new_tokens and row["device"] and row["seed"] == 0
+        # Greedy: the expected acceptance of a tree under a one-hot law is the accepted length itself.
+        assert row["expected_accepted"] == pytest.approx(row["tau"] - 1, abs=1e-6)
+    assert {r["tau"] for r in rows if r["method"] == "ar"} == {1.0}
+
+    # Resume through the CLI with a larger grid: only the new temperature runs.
+    argv = ["sweep", "--methods", "ar,ddtree", "--budgets", "4", "--topk-caps", "0", "--temperatures", "0,1",
+            "--top-ps", "1", "--top-ks", "0", "--draft-temperatures", "1", "--prompts", "2", "--prompt-tokens", "16",
+            "--new-tokens", "6", "--batch", "2", "--dtype", "float32", "--out", str(out)]
+    assert cli.main(argv) == 0
+    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert (runs[-1]["cells_skipped"], runs[-1]["cells_run"]) == (2, 2)
+    both = read_rows(out)
+    assert both[:4] == rows and len(both) == 8
+
+    # An interrupted write: a cell missing a prompt and a truncated line. The cell is run again with the
+    # same prompts and coins (the same tokens), everything else is kept.
+    text = out.read_text().splitlines(keepends=True)
+    dropped = next(i for i, line in enumerate(text) if line.startswith("ddtree,4,0,1.0,"))
+    lost = both[dropped - 1]
+    out.write_text("".join(text[:dropped] + text[dropped + 1:]) + text[dropped][:25])
+    assert cli.main(argv) == 0
+    assert (json.loads(out.with_suffix(".json").read_text())["runs"][-1]["cells_run"]) == 1
+    final = read_rows(out)
+    kept = [r for r in both if cell_of(r) != cell_of(lost)]
+    assert len(kept) == 6 and final[:6] == kept and len(final) == 8
+    old = [r for r in both if cell_of(r) == cell_of(lost)]
+    keys = ("prompt", "emitted", "rounds", "tau", "expected_accepted")
+    assert [[r[k] for k in keys] for r in final[6:]] == [[r[k] for k in keys] for r in old]
+
+    with pytest.raises(ValueError, match="new_tokens"):
+        run_sweep(grid, dataclasses.replace(settings, new_tokens=7), out)
+
+    written = plot.plot_csv(out, tmp_path / "figures")
+    assert [p.name for p in written] == ["sweep_cells.csv"] + [f"sweep_{name}.png" for name in plot.FIGURES]
+    assert all(p.stat().st_size > 1000 for p in written[1:])
+    cells = plot.summarise(final)
+    assert {cell_of(c) for c in cells} == {cell_of(r) for r in final} and len(cells) == 4
+    for cell in cells:
+        assert cell["tau_lo"] <= cell["tau"] <= cell["tau_hi"]
+        assert cell["accepted"] == pytest.approx(cell["tau"] - 1)
+
+
+def test_mismatched_model_directory_is_rejected(tmp_path):
+    grid, settings, out = tiny(tmp_path, (0.0,))
+    with pytest.raises(ValueError, match="no config.json"):
+        run_sweep(grid, dataclasses.replace(settings, target=str(tmp_path)), out)
