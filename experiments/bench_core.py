@@ -14,25 +14,19 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import time
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_jax.sampling import coins_from_keys, request_keys
-from ddtree_jax.tree import _build_tree, tree_attention_mask, tree_positions
-from ddtree_jax.verify import verify_from_coins
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
-
-def median_ms(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+from ddtree_jax.sampling import coins_from_keys, request_keys  # noqa: E402
+from ddtree_jax.tree import _build_tree, tree_attention_mask, tree_positions  # noqa: E402
+from ddtree_jax.verify import verify_from_coins  # noqa: E402
+from experiments.common import median_ms  # noqa: E402
 
 
 @functools.partial(jax.jit, static_argnames=("budget",))
@@ -69,9 +63,9 @@ def main():
             tree = build(draft, roots, budget=budget)[0]
             logits = jax.random.normal(key, (batch, budget + 1, args.vocab), jnp.bfloat16) * 3
             row = dict(batch=batch, budget=budget, vocab=args.vocab, depth=args.depth,
-                       build_ms=median_ms(functools.partial(build, budget=budget), draft, roots, repeats=args.repeats),
-                       verify_ms=median_ms(sample, tree, logits, key, 1.0, 0.95, repeats=args.repeats),
-                       greedy_ms=median_ms(sample, tree, logits, key, 0.0, 1.0, repeats=args.repeats))
+                       build_ms=median_ms(functools.partial(build, draft, roots, budget=budget), args.repeats),
+                       verify_ms=median_ms(functools.partial(sample, tree, logits, key, 1.0, 0.95), args.repeats),
+                       greedy_ms=median_ms(functools.partial(sample, tree, logits, key, 0.0, 1.0), args.repeats))
             rows.append(row)
             print(f"{batch:>5} {budget:>5} {row['build_ms']:>9.3f} {row['verify_ms']:>10.3f} {row['greedy_ms']:>10.3f}",
                   flush=True)

@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from ddtree_jax import engine  # noqa: E402
 from ddtree_jax.models import (  # noqa: E402
@@ -35,6 +34,7 @@ from ddtree_jax.models import (  # noqa: E402
 from ddtree_jax.sampling import coins_from_keys, request_keys  # noqa: E402
 from ddtree_jax.tree import _build_tree, tree_attention_mask, tree_positions  # noqa: E402
 from ddtree_jax.verify import verify_from_coins  # noqa: E402
+from experiments.common import median_ms  # noqa: E402
 
 SHAPES = {
     "qwen3-8b": dict(
@@ -46,16 +46,6 @@ SHAPES = {
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192),
         drafter=dict(num_hidden_layers=1, block_size=8, target_layer_ids=(0, 3))),
 }
-
-
-def median_ms(fn, repeats):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
 
 
 def weight_bytes(params) -> int:

@@ -11,27 +11,21 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import time
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_jax.models import Qwen3Config, init_cache, init_target, target_forward
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from ddtree_jax.models import Qwen3Config, init_cache, init_target, target_forward  # noqa: E402
+from experiments.common import median_ms  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
                 tie_word_embeddings=False, max_position_embeddings=131072)
-
-
-def median_ms(fn, repeats):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
 
 
 def streamed_bytes(target) -> int:

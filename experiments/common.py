@@ -1,10 +1,11 @@
-"""Helpers shared by the training scripts: device report, optimiser, batching, plots, JSON."""
+"""Helpers shared by the experiment scripts: device report, optimiser, batching, plots, JSON, timing."""
 
 from __future__ import annotations
 
 import json
 import platform
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +32,9 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
     if not 0 <= warmup < steps:
         raise ValueError(f"--warmup must be in [0, --steps={steps}), got {warmup}")
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    def decay_mask(params):
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
+
     return optax.chain(optax.clip_by_global_norm(clip),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
 
@@ -76,6 +79,32 @@ def save_loss_plot(path: Path, curves: dict[str, tuple[list, list]], title: str)
 def write_json(path: Path, obj) -> None:
     """Indented, key-sorted JSON with a trailing newline."""
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_metrics(args, params, train_curve, eval_curve, **fields) -> dict:
+    """Write ``args.out/metrics.json``: ``fields`` plus the loss curves, parameter count, device, JAX
+    version and the run's arguments; return the dict."""
+    metrics = {
+        **fields,
+        "train_curve": dict(zip(("step", "loss"), train_curve)),
+        "heldout_curve": dict(zip(("step", "loss"), eval_curve)),
+        "params": param_count(params), "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__, "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    write_json(args.out / "metrics.json", metrics)
+    print(f"wrote {args.out}", flush=True)
+    return metrics
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeats`` warm calls (``block_until_ready``)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
 
 
 def copy_tokenizer(tokenizer_path: Path, out: Path) -> None:

@@ -174,17 +174,9 @@ def main(argv=None) -> dict:
     common.copy_tokenizer(tokenizer_path, args.out)
     common.save_loss_plot(args.out / "loss.png", {"train": train_curve, "held-out": eval_curve},
                           f"target {common.param_count(params) / 1e6:.1f} M params")
-    metrics = {
-        "heldout_loss": final, "heldout_perplexity": float(np.exp(final)),
-        "train_curve": dict(zip(("step", "loss"), train_curve)),
-        "heldout_curve": dict(zip(("step", "loss"), eval_curve)),
-        "train_seconds": train_seconds, "tokens_per_second": tokens / train_seconds,
-        "params": common.param_count(params), "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__, "args": {k: str(v) for k, v in vars(args).items()},
-    }
-    common.write_json(args.out / "metrics.json", metrics)
-    print(f"wrote {args.out}", flush=True)
-    return metrics
+    return common.write_metrics(args, params, train_curve, eval_curve, heldout_loss=final,
+                                heldout_perplexity=float(np.exp(final)), train_seconds=train_seconds,
+                                tokens_per_second=tokens / train_seconds)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def hf_tensors(tmp_path, drafter, target):
     """The HF-named float64 tensors of both models (torch [out, in] layout), read back from disk."""
     save_drafter(tmp_path / "d", drafter)
     save_target(tmp_path / "t", target)
-    load = lambda p: {k: v.astype(np.float64) for k, v in load_file(p / "model.safetensors").items()}
+    def load(p):
+        return {k: v.astype(np.float64) for k, v in load_file(p / "model.safetensors").items()}
     return load(tmp_path / "d"), load(tmp_path / "t")
 
 
