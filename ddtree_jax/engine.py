@@ -35,8 +35,8 @@ from ddtree_jax.models.cache import KVCache, commit, init_cache
 from ddtree_jax.models.dflash import Drafter, append_context, drafter_forward
 from ddtree_jax.models.layers import attention_impl_fn as attention_fn
 from ddtree_jax.models.qwen3 import Target, target_forward
-from ddtree_jax.sampling import coins_from_keys, request_keys, row_probs
-from ddtree_jax.tree import DraftTree, _build_tree, tree_attention_mask, tree_positions
+from ddtree_jax.sampling import batch_probs, coins_from_keys, request_keys
+from ddtree_jax.tree import DraftTree, build_tree_unchecked, tree_attention_mask, tree_positions
 from ddtree_jax.verify import expected_acceptance, verify_from_coins
 
 METHODS = ("ar", "chain", "ddtree")
@@ -175,7 +175,7 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
         drafter, target, state.drafter_cache, state.ctx_feats, ctx_positions, state.ctx_count,
         state.root, lengths, attention_impl=spec.attention_impl)
     draft_logits = sharding.gather_vocab(draft_logits, mesh)
-    tree = _build_tree(draft_logits, state.root, draft_temperature, budget=spec.budget, topk_cap=spec.topk_cap)
+    tree = build_tree_unchecked(draft_logits, state.root, draft_temperature, budget=spec.budget, topk_cap=spec.topk_cap)
     return tree, drafter_cache
 
 
@@ -228,10 +228,7 @@ def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sa
     tokens, num_generated, done = _append_tokens(state, res.emitted, res.num_accepted + 1, stop_tokens,
                                                  max_new_tokens)
     if with_expected:
-        b, n, v = logits.shape
-        rep = lambda x: jnp.repeat(x, n)  # noqa: E731
-        probs = row_probs(logits.reshape(b * n, v), rep(sampling.temperature), rep(sampling.top_k),
-                          rep(sampling.top_p)).reshape(b, n, v)
+        probs = batch_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         expected = expected_acceptance(tree, probs)
     else:
         expected = jnp.zeros(live.shape, jnp.float32)

@@ -56,7 +56,8 @@ def row_probs(
 
 
 @jax.jit
-def _target_probs(logits, temperature, top_k, top_p):
+def batch_probs(logits, temperature, top_k, top_p):
+    """`target_probs` without validation: ``[batch, ..., V]`` logits, ``[batch]`` parameters."""
     batch, vocab = logits.shape[0], logits.shape[-1]
     rows = logits.reshape(batch, -1, vocab)
     per_row = lambda x: jnp.repeat(x, rows.shape[1])  # noqa: E731
@@ -88,7 +89,7 @@ def target_probs(
     logits = checks.array("logits", logits, ndim=logits.ndim, kind="float")
     t, k, p = checks.sampling_params(temperature, top_k, top_p, logits.shape[0])
     checks.finite("logits", logits)
-    return _target_probs(logits, t, k, p)
+    return batch_probs(logits, t, k, p)
 
 
 def request_keys(key: jax.Array, request_ids: Int[Array, " B"], round_index) -> jax.Array:

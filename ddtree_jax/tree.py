@@ -153,7 +153,8 @@ def _build_one(lp_LV, root, *, budget: int, k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "topk_cap"))
-def _build_tree(draft_logits, root_tokens, draft_temperature, *, budget, topk_cap):
+def build_tree_unchecked(draft_logits, root_tokens, draft_temperature, *, budget, topk_cap) -> DraftTree:
+    """`build_tree` without validation, for callers inside jit (``draft_temperature`` may be traced)."""
     depth_count, vocab = draft_logits.shape[1:]
     k = min(budget, vocab) if topk_cap is None else min(topk_cap, budget, vocab)
     lp_BLV = draft_log_probs(draft_logits, draft_temperature)
@@ -201,7 +202,7 @@ def build_tree(
         raise ValueError(f"draft_temperature must be a finite number > 0, got {draft_temperature!r}")
     checks.finite("draft_logits", draft_logits)
     checks.token_range("root_tokens", root_tokens, draft_logits.shape[2])
-    return _build_tree(
+    return build_tree_unchecked(
         draft_logits, root_tokens, jnp.asarray(draft_temperature, jnp.float32), budget=budget, topk_cap=topk_cap
     )
 

@@ -24,14 +24,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax.sampling import coins_from_keys, request_keys  # noqa: E402
-from ddtree_jax.tree import _build_tree, tree_attention_mask, tree_positions  # noqa: E402
+from ddtree_jax.tree import build_tree_unchecked, tree_attention_mask, tree_positions  # noqa: E402
 from ddtree_jax.verify import verify_from_coins  # noqa: E402
 from experiments.common import median_ms  # noqa: E402
 
 
 @functools.partial(jax.jit, static_argnames=("budget",))
 def build(draft_logits, roots, *, budget):
-    tree = _build_tree(draft_logits, roots, jnp.float32(1.0), budget=budget, topk_cap=None)
+    tree = build_tree_unchecked(draft_logits, roots, jnp.float32(1.0), budget=budget, topk_cap=None)
     return tree, tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
 
 

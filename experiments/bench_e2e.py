@@ -32,7 +32,7 @@ from ddtree_jax.models import (  # noqa: E402
     target_forward,
 )
 from ddtree_jax.sampling import coins_from_keys, request_keys  # noqa: E402
-from ddtree_jax.tree import _build_tree, tree_attention_mask, tree_positions  # noqa: E402
+from ddtree_jax.tree import build_tree_unchecked, tree_attention_mask, tree_positions  # noqa: E402
 from ddtree_jax.verify import verify_from_coins  # noqa: E402
 from experiments.common import median_ms  # noqa: E402
 
@@ -115,7 +115,7 @@ def time_parts(target, drafter, spec, state, temperature, repeats) -> dict[str, 
 
     @jax.jit
     def build(draft_logits, root):
-        tree = _build_tree(draft_logits, root, jnp.float32(1.0), budget=spec.budget, topk_cap=spec.topk_cap)
+        tree = build_tree_unchecked(draft_logits, root, jnp.float32(1.0), budget=spec.budget, topk_cap=spec.topk_cap)
         return tree, tree_attention_mask(tree), tree_positions(tree, lengths)
 
     tree, mask, positions = build(draft_logits, state.root)
