@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import shutil
@@ -22,6 +23,30 @@ def print_device_info() -> None:
     devices = jax.devices()
     print(f"python {platform.python_version()}, jax {jax.__version__}, backend {jax.default_backend()}, "
           f"{len(devices)} x {devices[0].device_kind}", flush=True)
+
+
+def add_training_arguments(p: argparse.ArgumentParser, *, eval_every: int, eval_batches: int) -> None:
+    """The flags every training script shares: regularisation, init, compute dtype, data subset, logging."""
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--max-files", type=int, default=None, help="first N train files only")
+    p.add_argument("--eval-every", type=int, default=eval_every)
+    p.add_argument("--eval-batches", type=int, default=eval_batches)
+    p.add_argument("--log-every", type=int, default=20)
+
+
+def parse_training_args(p: argparse.ArgumentParser, argv, tiny: dict, positive: tuple[str, ...]):
+    """Parse ``argv`` (with ``--tiny``, ``tiny`` replaces the defaults) and require ``positive`` >= 1."""
+    args = p.parse_args(argv)
+    if args.tiny:
+        p.set_defaults(**tiny)
+        args = p.parse_args(argv)
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float = 1.0):

@@ -67,26 +67,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--taps", default="1,3,5", help="comma-separated target layer ids")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--init-std", type=float, default=0.02)
-    p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--max-files", type=int, default=None, help="first N train files only")
     p.add_argument("--gen-sequences", type=int, default=16384, help="--data generations: sequences to sample")
     p.add_argument("--gen-batch", type=int, default=512)
     p.add_argument("--gen-prompt-len", type=int, default=32, help="corpus tokens that start each generation")
-    p.add_argument("--eval-every", type=int, default=500)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--log-every", type=int, default=20)
-    args = p.parse_args(argv)
-    if args.tiny:
-        p.set_defaults(**TINY)
-        args = p.parse_args(argv)
+    common.add_training_arguments(p, eval_every=500, eval_batches=8)
+    args = common.parse_training_args(p, argv, TINY, ("steps", "batch", "anchors", "eval_every", "eval_batches",
+                                                      "log_every", "gen_sequences", "gen_batch", "gen_prompt_len"))
     args.taps = tuple(int(t) for t in str(args.taps).split(","))
-    for name in ("steps", "batch", "anchors", "eval_every", "eval_batches", "log_every", "gen_sequences",
-                 "gen_batch", "gen_prompt_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seq_len - args.block_size < args.anchors:
         raise ValueError(f"--anchors={args.anchors} needs --seq-len - --block-size >= {args.anchors}, got "
                          f"{args.seq_len} - {args.block_size}")

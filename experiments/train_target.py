@@ -55,8 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=512, help="context length in tokens")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=60)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--hidden", type=int, default=320)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=8)
@@ -65,19 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mlp", type=int, default=1024)
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--untied", action="store_true", help="separate LM head (default: tied)")
-    p.add_argument("--init-std", type=float, default=0.02)
-    p.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--max-files", type=int, default=None, help="first N train files only")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--log-every", type=int, default=20)
-    args = p.parse_args(argv)
-    if args.tiny:
-        p.set_defaults(**TINY)
-        args = p.parse_args(argv)
-    for name in ("steps", "batch", "seq_len", "eval_every", "eval_batches", "log_every"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    common.add_training_arguments(p, eval_every=100, eval_batches=16)
+    args = common.parse_training_args(p, argv, TINY, ("steps", "batch", "seq_len", "eval_every", "eval_batches",
+                                                      "log_every"))
     return args
 
 
