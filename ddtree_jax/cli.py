@@ -146,8 +146,12 @@ def main(argv=None) -> int:
 
     sweep.add_arguments(sub.add_parser("sweep", help="sweep AR, chain and DDTree over a grid of settings to CSV",
                                        description=sweep.__doc__.splitlines()[0]))
+    from ddtree_jax import bench
+
+    bench.add_arguments(sub.add_parser("bench", help="time a DDTree round's parts against decoding and the roofline",
+                                       description=bench.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    return {"generate": cmd_generate, "sweep": sweep.run_from_args}[args.command](args)
+    return {"generate": cmd_generate, "sweep": sweep.run_from_args, "bench": bench.run_from_args}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ def _filtered(z_RV: Float[Array, "R V"], top_k_R, top_p_R) -> Float[Array, "R V"
     """Top-k then top-p filtered, renormalised ``softmax(z)`` (sorts each row once)."""
     vocab = z_RV.shape[-1]
     ids = jax.lax.broadcasted_iota(jnp.int32, z_RV.shape, 1)
-    neg_z, ids_sorted = jax.lax.sort((-z_RV, ids), num_keys=2)
+    # A stable one-key sort keeps equal logits in id order and lets XLA use a radix sort on GPU.
+    neg_z, ids_sorted = jax.lax.sort((-z_RV, ids), num_keys=1, is_stable=True)
     p = jax.nn.softmax(-neg_z, axis=-1)
     rank = jax.lax.broadcasted_iota(jnp.int32, z_RV.shape, 1)
     k = jnp.where(top_k_R > 0, jnp.minimum(top_k_R, vocab), vocab)[:, None]

@@ -268,14 +268,21 @@ def verify_from_coins(
     """Step 5 of a round for a mixed greedy/sampled batch, given the coins (no validation).
 
     Computes the processed target row (``sampling.row_probs``) only at the nodes the walk visits.
-    Traceable; the engine calls it inside its jitted round.
+    An all-greedy batch instead takes every node's argmax in one pass and walks on those (the same
+    walk on one-hot rows, without a dependent vocabulary pass per step). Traceable; the engine
+    calls it inside its jitted round.
     """
     rows = jnp.arange(tree.tokens.shape[0])
+    walk = functools.partial(_walk, tree.tokens, tree.parents, coins_BN, final_coins_B, max_depth=tree.max_depth)
 
-    def row_at(cur):
-        return _ProbRow(row_probs(target_logits_BNV[rows, cur], temperature_B, top_k_B, top_p_B))
+    def greedy():
+        argmax_BN = jnp.argmax(target_logits_BNV, axis=-1).astype(jnp.int32)
+        return walk(lambda cur: _ArgmaxRow(argmax_BN[rows, cur]))
 
-    return _walk(tree.tokens, tree.parents, coins_BN, final_coins_B, row_at, tree.max_depth)
+    def sampled():
+        return walk(lambda cur: _ProbRow(row_probs(target_logits_BNV[rows, cur], temperature_B, top_k_B, top_p_B)))
+
+    return jax.lax.cond(jnp.all(temperature_B <= 0), greedy, sampled)
 
 
 @jax.jit

@@ -6,7 +6,6 @@ import argparse
 import json
 import platform
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ddtree_jax.bench import median_ms  # noqa: F401  (re-exported for the bench scripts)
 from ddtree_jax.tokenizer import DEFAULT_PATH, Tokenizer
 
 
@@ -119,17 +119,6 @@ def write_metrics(args, params, train_curve, eval_curve, **fields) -> dict:
     write_json(args.out / "metrics.json", metrics)
     print(f"wrote {args.out}", flush=True)
     return metrics
-
-
-def median_ms(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` in ms over ``repeats`` warm calls (``block_until_ready``)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
 
 
 def copy_tokenizer(tokenizer_path: Path, out: Path) -> None:

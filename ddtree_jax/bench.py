@@ -1,0 +1,306 @@
+"""End-to-end benchmark: where a DDTree round's time goes, against plain decoding and the HBM roofline.
+
+Part 1 (``--shapes qwen3-8b``): a Qwen3-8B-shaped target and a 5-layer DFlash-shaped drafter with
+random bf16 weights, per batch and context: one AR decode step (the engine's AR round), one whole
+DDTree round per budget, and each part of the round run alone under jit on the same inputs (drafter
+forward, tree build + encoding, verify forward, verification/sampling, commit). Caches are
+zero-filled to the given context length: a round's cost does not depend on the cached values.
+``--mesh-check`` also times the round under a one-device ``("dp", "tp")`` mesh next to the same
+round without one (both on the XLA attention path, the one a mesh uses).
+Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree on the embedded pair, with the
+speedup over AR measured in the same process.
+
+Every timing is the median of ``--repeats`` warm calls ending in ``block_until_ready``. The JSON is
+rewritten after every row, so an interrupted run keeps what it measured.
+
+    ddtree bench --out bench_e2e.json                                   # the full benchmark (GPU)
+    ddtree bench --shapes tiny --contexts 64 --budgets 4,8 --repeats 2  # a quick CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import engine, sharding
+from ddtree_jax.models import (
+    DFlashConfig, KVCache, Qwen3Config, commit, drafter_forward, init_cache, init_drafter, init_target,
+    target_forward,
+)
+from ddtree_jax.sampling import coins_from_keys, request_keys
+from ddtree_jax.tree import build_tree_unchecked, tree_attention_mask, tree_positions
+
+SHAPES = {
+    "qwen3-8b": dict(
+        target=dict(vocab_size=151_936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072),
+        drafter=dict(num_hidden_layers=5, block_size=16, target_layer_ids=(1, 9, 17, 25, 33))),
+    "tiny": dict(
+        target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192),
+        drafter=dict(num_hidden_layers=1, block_size=8, target_layer_ids=(0, 3))),
+}
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeats`` warm calls (``block_until_ready``)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def weight_bytes(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+
+
+def make_models(shapes: str):
+    """Target and drafter of the named shapes with random weights (bf16 off the CPU)."""
+    s = SHAPES[shapes]
+    t = s["target"]
+    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim")
+    dc = DFlashConfig(**{k: t[k] for k in shared}, mask_token_id=t["vocab_size"] - 1,
+                      num_target_layers=t["num_hidden_layers"], **s["drafter"])
+    return init_target(Qwen3Config(**t), jax.random.key(0)), init_drafter(dc, jax.random.key(1))
+
+
+def make_state(target, drafter, spec, batch, context, max_new=4096) -> engine.DecodeState:
+    """A decode state whose caches hold ``context`` committed (zero) slots per request."""
+    tc, dc = target.config, drafter.config
+    max_len = context + max_new + spec.num_nodes + spec.depth + 1
+    dtype = target.dtype
+
+    def cache(cfg, layers):
+        c = init_cache(layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim, dtype)
+        return KVCache(c.k, c.v, jnp.full((batch,), context, jnp.int32))
+
+    feats = len(dc.target_layer_ids) * tc.hidden_size if spec.method != "ar" else 0
+    return engine.DecodeState(
+        target_cache=cache(tc, tc.num_hidden_layers),
+        drafter_cache=cache(dc, dc.num_hidden_layers) if spec.method != "ar" else None,
+        root=jnp.zeros((batch,), jnp.int32),
+        ctx_feats=jnp.zeros((batch, spec.depth + 1, feats), dtype),
+        ctx_count=jnp.full((batch,), min(4, spec.depth + 1), jnp.int32),
+        tokens=jnp.full((batch, max_new + spec.depth + 1), -1, jnp.int32),
+        num_generated=jnp.zeros((batch,), jnp.int32),
+        done=jnp.zeros((batch,), bool),
+        round=jnp.zeros((), jnp.int32),
+    )
+
+
+def _sampling(batch: int, temperature: float, top_p: float) -> engine.SamplingParams:
+    return engine.SamplingParams(jnp.full((batch,), temperature, jnp.float32), jnp.zeros((batch,), jnp.int32),
+                                 jnp.full((batch,), top_p, jnp.float32))
+
+
+def time_round(target, drafter, spec, state, sampling, repeats, mesh=None) -> float:
+    """Median ms of the engine's whole round, the state threaded through as ``generate`` does."""
+    batch = state.root.shape[0]
+    if mesh is not None:
+        target = sharding.shard_target(target, mesh)
+        drafter = sharding.shard_drafter(drafter, mesh)
+        state = jax.device_put(state, sharding.state_shardings(state, mesh))
+    args = (sampling, jax.random.key(0), jnp.arange(batch, dtype=jnp.int32), jnp.float32(1.0),
+            jnp.array([-2], jnp.int32))
+    step = functools.partial(engine.decode_round, spec=spec, max_new_tokens=10**6, with_expected=False, mesh=mesh)
+    box = [state]
+
+    def run():
+        box[0], out = step(target, drafter if spec.method != "ar" else None, box[0], *args)
+        return out
+
+    return median_ms(run, repeats)
+
+
+def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, float]:
+    """Each step of a DDTree round alone, under jit, on the same inputs as the round."""
+    batch = state.root.shape[0]
+    lengths = state.target_cache.lengths
+    ctx_pos = (lengths - state.ctx_count)[:, None] + jnp.arange(state.ctx_feats.shape[1])[None, :]
+    draft = jax.jit(functools.partial(drafter_forward, attention_impl=spec.attention_impl))
+    draft_args = (drafter, target, state.drafter_cache, state.ctx_feats, ctx_pos, state.ctx_count, state.root,
+                  lengths)
+    draft_logits = draft(*draft_args)[0]
+
+    @jax.jit
+    def build(draft_logits, root):
+        tree = build_tree_unchecked(draft_logits, root, jnp.float32(1.0), budget=spec.budget, topk_cap=spec.topk_cap)
+        return tree, tree_attention_mask(tree), tree_positions(tree, lengths)
+
+    tree, mask, positions = build(draft_logits, state.root)
+    fwd = jax.jit(functools.partial(target_forward, tap_layers=spec.tap_layers, attention_impl=spec.attention_impl))
+    logits, taps, cache = fwd(target, tree.tokens, positions, mask, state.target_cache)
+
+    @jax.jit
+    def sample(tree, logits):
+        coins, final = coins_from_keys(request_keys(jax.random.key(0), jnp.arange(batch), 0), logits.shape[1])
+        return engine._sampler(spec.sampler_impl)(tree, logits, coins, final, sampling.temperature,
+                                                  sampling.top_k, sampling.top_p)
+
+    res = sample(tree, logits)
+
+    @jax.jit
+    def keep(cache, taps, accept_index, num_accepted):
+        rows = jnp.arange(taps.shape[0])[:, None]
+        return commit(cache, accept_index, num_accepted + 1), taps[rows, jnp.maximum(accept_index, 0)]
+
+    return dict(
+        drafter_ms=median_ms(lambda: draft(*draft_args)[0], repeats),
+        tree_ms=median_ms(lambda: build(draft_logits, state.root), repeats),
+        verify_forward_ms=median_ms(lambda: fwd(target, tree.tokens, positions, mask, state.target_cache)[0],
+                                    repeats),
+        sampling_ms=median_ms(lambda: sample(tree, logits), repeats),
+        commit_ms=median_ms(lambda: keep(cache, taps, res.accept_index, res.num_accepted), repeats),
+    )
+
+
+def rooflines(target, drafter, hbm_bytes_per_s: float) -> tuple[float, float]:
+    """(decode step, DDTree round) HBM floors in ms: the weights each must stream once."""
+    lm_head = target.params.get("lm_head", target.params["embed"])
+    target_bytes = weight_bytes({k: v for k, v in target.params.items() if k != "embed"})
+    if target.config.tie_word_embeddings:
+        target_bytes += weight_bytes(lm_head)
+    decode = 1e3 * target_bytes / hbm_bytes_per_s
+    return decode, decode + 1e3 * (weight_bytes(drafter.params) + weight_bytes(lm_head)) / hbm_bytes_per_s
+
+
+def bench_shapes(args, emit) -> None:
+    """Part 1: calls ``emit(row)`` per (batch, context, budget)."""
+    target, drafter = make_models(args.shapes)
+    decode_floor, round_floor = rooflines(target, drafter, args.hbm_tbps * 1e12)
+    print(f"decode roofline {decode_floor:.2f} ms, DDTree round floor {round_floor:.2f} ms", flush=True)
+    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl)
+    for batch in args.batches:
+        sampling = _sampling(batch, args.temperature, args.top_p)
+        for context in args.contexts:
+            ar = engine.make_spec(target, None, "ar", 1, None, **impls)
+            decode_ms = time_round(target, drafter, ar, make_state(target, drafter, ar, batch, context), sampling,
+                                   args.repeats)
+            print(f"batch {batch} context {context}: decode step {decode_ms:.2f} ms "
+                  f"({decode_ms / decode_floor:.2f}x roofline)", flush=True)
+            for budget in args.budgets:
+                spec = engine.make_spec(target, drafter, "ddtree", budget, args.topk_cap or None, **impls)
+                state = make_state(target, drafter, spec, batch, context)
+                parts = time_parts(target, drafter, spec, state, sampling, args.repeats)
+                round_ms = time_round(target, drafter, spec, state, sampling, args.repeats)
+                row = dict(batch=batch, context=context, budget=budget, attention_impl=spec.attention_impl,
+                           sampler_impl=spec.sampler_impl, decode_ms=decode_ms, round_ms=round_ms,
+                           decode_roofline_ms=decode_floor, round_floor_ms=round_floor, **parts)
+                row["round_over_decode"] = round_ms / decode_ms  # = the break-even tau
+                row["core_share"] = (parts["tree_ms"] + parts["sampling_ms"]) / round_ms
+                if args.mesh_check and budget == args.budgets[0]:
+                    xla = engine.make_spec(target, drafter, "ddtree", budget, args.topk_cap or None, "xla",
+                                           args.sampler_impl)
+                    row["round_xla_ms"] = time_round(target, drafter, xla, make_state(target, drafter, xla, batch,
+                                                                                      context), sampling, args.repeats)
+                    row["round_mesh1_ms"] = time_round(target, drafter, xla, make_state(target, drafter, xla, batch,
+                                                                                        context), sampling,
+                                                       args.repeats, mesh=sharding.make_mesh(1, 1))
+                print(f"  B={budget:4d}: round {round_ms:7.2f} ms = {row['round_over_decode']:.2f} decode steps | "
+                      + " ".join(f"{k[:-3]} {v:.2f}" for k, v in parts.items())
+                      + f" | build+sampling {100 * row['core_share']:.1f}% of the round"
+                      + (f" | mesh(1,1) {row['round_mesh1_ms']:.2f} vs {row['round_xla_ms']:.2f} ms"
+                         if "round_mesh1_ms" in row else ""), flush=True)
+                emit(row)
+
+
+def bench_embedded(args, emit) -> None:
+    """Part 2: AR, chain and DDTree (B = 64) on the embedded pair; calls ``emit(row)`` per run."""
+    from ddtree_jax import corpus
+    from ddtree_jax.checkpoint import load_drafter, load_target
+    from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from ddtree_jax.tokenizer import Tokenizer
+
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    target, drafter = load_target(DEFAULT_TARGET, dtype), load_drafter(DEFAULT_DRAFTER, dtype)
+    tokenizer = Tokenizer.from_file(DEFAULT_TARGET / "tokenizer.json")
+    prompts = corpus.heldout_prompts(tokenizer, max(args.embedded_batches), 64, seed=0)
+    for batch in args.embedded_batches:
+        for temperature in (0.0, 1.0):
+            base = None
+            for method, budget in (("ar", 1), ("chain", 1), ("ddtree", 64)):
+                generate = functools.partial(
+                    engine.generate, target, drafter, prompts[:batch], method=method, budget=budget, topk_cap=None,
+                    temperature=temperature, with_expected=False, attention_impl=args.attention_impl,
+                    sampler_impl=args.sampler_impl)
+                res = generate(max_new_tokens=args.new_tokens)  # times the rounds only, not compilation
+                base = base or res.tokens_per_s
+                emit(dict(batch=batch, temperature=temperature, method=method, budget=budget, tau=res.tau,
+                          tokens_per_s=res.tokens_per_s, speedup_over_ar=res.tokens_per_s / base))
+                print(f"embedded batch {batch} T={temperature:g} {method:>6}: tau {res.tau:.2f}, "
+                      f"{res.tokens_per_s:,.0f} tokens/s, {res.tokens_per_s / base:.2f}x AR", flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared by ``ddtree bench`` and ``experiments/bench_e2e.py``)."""
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b", help="model shapes of part 1")
+    p.add_argument("--skip-shapes", action="store_true", help="skip part 1")
+    p.add_argument("--batches", type=_ints, default=[1, 8], help="part 1 batch sizes")
+    p.add_argument("--contexts", type=_ints, default=[1024, 8192], help="part 1 committed context lengths")
+    p.add_argument("--budgets", type=_ints, default=[16, 64, 256, 512], help="part 1 DDTree node budgets")
+    p.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the tree (0 = none)")
+    p.add_argument("--temperature", type=float, default=1.0, help="target temperature of part 1 (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="target top-p of part 1")
+    p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
+    p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto")
+    p.add_argument("--mesh-check", action="store_true",
+                   help="also time the first budget's round under a one-device mesh vs without (XLA attention)")
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the roofline, TB/s")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--embedded", action="store_true", help="also run part 2 on the embedded pair")
+    p.add_argument("--embedded-batches", type=_ints, default=[1, 8])
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens per request in part 2")
+    p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="JSON output")
+
+
+def run_from_args(args) -> int:
+    """Run the parts asked for; the JSON at ``args.out`` is rewritten after every row."""
+    if not 0 < args.top_p <= 1 or args.temperature < 0:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {args.temperature}, {args.top_p}")
+    device = jax.devices()[0].device_kind
+    print(f"device {device}, jax {jax.__version__}", flush=True)
+    result = dict(meta=dict(device=device, backend=jax.default_backend(), jax=jax.__version__,
+                            date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
+                            settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                                      if k != "func"}),
+                  shapes=[], embedded=[])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def emitter(part):
+        def emit(row):
+            result[part].append(row)
+            args.out.write_text(json.dumps(result, indent=1))
+        return emit
+
+    if not args.skip_shapes:
+        bench_shapes(args, emitter("shapes"))
+    if args.embedded:
+        bench_embedded(args, emitter("embedded"))
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
