@@ -26,3 +26,21 @@ def bootstrap_ci(numerator, denominator, *, draws=2000, seed=0) -> tuple[float, 
     idx = rng.integers(0, len(numerator), size=(draws, len(numerator)))
     ratios = numerator[idx].sum(1) / denominator[idx].sum(1)
     return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+
+
+def paired_bootstrap_diff(num_a, den_a, num_b, den_b, *, draws=2000, seed=0) -> tuple[float, float, float]:
+    """Difference of pooled ratios ``A - B`` measured on the same prompts, and its 95% interval.
+
+    All four arrays are ``[prompts]``, prompt ``i`` of ``A`` paired with prompt ``i`` of ``B`` (same
+    prompt, same coins); the bootstrap resamples prompts jointly, so the shared prompt-to-prompt
+    variation cancels. Returns ``(difference, lo, hi)``.
+    """
+    arrays = [np.asarray(x, np.float64) for x in (num_a, den_a, num_b, den_b)]
+    if len({x.shape for x in arrays}) != 1 or arrays[0].ndim != 1:
+        raise ValueError(f"need four [prompts] arrays of one shape, got {[x.shape for x in arrays]}")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(arrays[0]), size=(draws, len(arrays[0])))
+    na, da, nb, db = (x[idx].sum(1) for x in arrays)
+    diffs = na / da - nb / db
+    diff = arrays[0].sum() / arrays[1].sum() - arrays[2].sum() / arrays[3].sum()
+    return float(diff), float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))

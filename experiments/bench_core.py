@@ -54,6 +54,8 @@ def main():
     args = ap.parse_args()
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, jax {jax.__version__}")
     rows = []
+    meta = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind, jax=jax.__version__,
+                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
     key = jax.random.key(0)
     print(f"{'batch':>5} {'B':>5} {'build ms':>9} {'verify ms':>10} {'greedy ms':>10}")
     for batch in map(int, args.batches.split(",")):
@@ -69,11 +71,9 @@ def main():
             rows.append(row)
             print(f"{batch:>5} {budget:>5} {row['build_ms']:>9.3f} {row['verify_ms']:>10.3f} {row['greedy_ms']:>10.3f}",
                   flush=True)
+            with open(args.out, "w") as f:  # after every row: an interrupted run keeps what it measured
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
             del logits
-    meta = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind, jax=jax.__version__,
-                date=time.strftime("%Y-%m-%d"))
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"wrote {args.out}")
 
 

@@ -9,7 +9,10 @@ Writes next to the CSV (or into ``--out-dir``), for ``results/NAME.csv``:
 - ``NAME_measured_vs_expected.png``: measured accepted drafts per round vs the exact expectation;
 - ``NAME_truncation.png``: tau vs top-p (top-k off) and vs top-k (top-p off) at T = 1;
 - ``NAME_draft_temperature.png``: tau vs draft temperature at T = 1, and draft temperature 1 vs
-  tempered to the target temperature (T < 1).
+  tempered to the target temperature (T < 1);
+- ``NAME_tempering.csv``: for every DDTree cell at a temperature 0 < T != 1 (no truncation) that
+  also ran with draft temperature T, tau(draft temperature 1) - tau(draft temperature T) with a
+  paired 95% bootstrap interval (same prompts and coins in both cells).
 
     python experiments/plot.py [experiments/results/sweep_quick.csv ...]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,7 +33,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax.stats import bootstrap_ci  # noqa: E402
+from ddtree_jax.stats import bootstrap_ci, paired_bootstrap_diff  # noqa: E402
 from ddtree_jax.sweep import CELL_FIELDS, cell_of, read_rows  # noqa: E402
 
 BASE = dict(top_p=1.0, top_k=0, draft_temperature=1.0)
@@ -204,16 +208,40 @@ FIGURES = {
 }
 
 
-def write_summary(summary: list[dict], path: Path) -> None:
-    """The per-cell table as CSV."""
+def tempering(rows: list[dict], *, seed: int = 0) -> list[dict]:
+    """Paired effect of tempering the draft marginals to the target temperature (see the module
+    docstring), one dict per (budget, cap, temperature)."""
+    by_cell: dict = {}
+    for row in rows:
+        by_cell.setdefault(cell_of(row), {})[row["prompt"]] = (row["emitted"], row["rounds"])
+    out = []
+    for cell, plain in sorted(by_cell.items()):
+        if (cell.method != "ddtree" or cell.draft_temperature != 1.0 or cell.temperature in (0.0, 1.0)
+                or (cell.top_p, cell.top_k) != (1.0, 0)):
+            continue
+        tempered = by_cell.get(dataclasses.replace(cell, draft_temperature=cell.temperature))
+        prompts = sorted(set(plain) & set(tempered or {}))
+        if not prompts:
+            continue
+        a, b = (np.array([side[p] for p in prompts], np.float64) for side in (plain, tempered))
+        diff, lo, hi = paired_bootstrap_diff(a[:, 0], a[:, 1], b[:, 0], b[:, 1], seed=seed)
+        out.append(dict(budget=cell.budget, topk_cap=cell.topk_cap, temperature=cell.temperature,
+                        prompts=len(prompts), tau_draft_1=a[:, 0].sum() / a[:, 1].sum(),
+                        tau_tempered=b[:, 0].sum() / b[:, 1].sum(), difference=diff, lo=lo, hi=hi))
+    return out
+
+
+def write_table(table: list[dict], path: Path) -> None:
+    """A list of same-keyed dicts as CSV (a header only when empty)."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(summary[0]))
+        writer = csv.DictWriter(f, fieldnames=list(table[0]) if table else [])
         writer.writeheader()
-        writer.writerows(summary)
+        writer.writerows(table)
 
 
 def plot_csv(csv_path: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """``NAME_cells.csv`` and the four ``NAME_*.png`` figures of the sweep CSV ``csv_path``."""
+    """``NAME_cells.csv``, ``NAME_tempering.csv`` and the four ``NAME_*.png`` figures of the sweep CSV
+    ``csv_path``."""
     csv_path = Path(csv_path)
     rows = read_rows(csv_path)
     if not rows:
@@ -221,8 +249,9 @@ def plot_csv(csv_path: str | Path, out_dir: str | Path | None = None) -> list[Pa
     out_dir = csv_path.parent if out_dir is None else Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarise(rows)
-    written = [out_dir / f"{csv_path.stem}_cells.csv"]
-    write_summary(summary, written[0])
+    written = [out_dir / f"{csv_path.stem}_cells.csv", out_dir / f"{csv_path.stem}_tempering.csv"]
+    write_table(summary, written[0])
+    write_table(tempering(rows), written[1])
     for name, make in FIGURES.items():
         fig = make(summary)
         written.append(out_dir / f"{csv_path.stem}_{name}.png")

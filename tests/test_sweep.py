@@ -5,9 +5,11 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ddtree_jax import cli
+from ddtree_jax.stats import paired_bootstrap_diff
 from ddtree_jax.sweep import COLUMNS, Grid, Settings, cell_of, grid_cells, read_rows, run_sweep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -97,8 +99,9 @@ def test_tiny_sweep_resumes_and_plots(tmp_path):
         run_sweep(grid, dataclasses.replace(settings, new_tokens=7), out)
 
     written = plot.plot_csv(out, tmp_path / "figures")
-    assert [p.name for p in written] == ["sweep_cells.csv"] + [f"sweep_{name}.png" for name in plot.FIGURES]
-    assert all(p.stat().st_size > 1000 for p in written[1:])
+    assert [p.name for p in written] == ["sweep_cells.csv", "sweep_tempering.csv"] + [
+        f"sweep_{name}.png" for name in plot.FIGURES]
+    assert all(p.stat().st_size > 1000 for p in written[2:])
     cells = plot.summarise(final)
     assert {cell_of(c) for c in cells} == {cell_of(r) for r in final} and len(cells) == 4
     for cell in cells:
@@ -110,3 +113,27 @@ def test_mismatched_model_directory_is_rejected(tmp_path):
     grid, settings, out = tiny(tmp_path, (0.0,))
     with pytest.raises(ValueError, match="no config.json"):
         run_sweep(grid, dataclasses.replace(settings, target=str(tmp_path)), out)
+
+
+def test_paired_bootstrap_difference():
+    rounds = np.array([10.0, 20.0, 5.0, 8.0])
+    assert paired_bootstrap_diff(2 * rounds, rounds, rounds, rounds) == (1.0, 1.0, 1.0)
+    rng = np.random.default_rng(0)
+    emitted = rounds * (2 + rng.random(4))
+    diff, lo, hi = paired_bootstrap_diff(emitted + 3, rounds, emitted, rounds)
+    assert diff == pytest.approx(12 / rounds.sum()) and lo < diff < hi and lo > 0
+    with pytest.raises(ValueError, match="one shape"):
+        paired_bootstrap_diff(rounds, rounds, rounds[:3], rounds[:3])
+
+
+def test_tempering_table_pairs_prompts():
+    def rows(draft_temperature, emitted):
+        cell = dict(method="ddtree", budget=8, topk_cap=0, temperature=0.6, top_p=1.0, top_k=0,
+                    draft_temperature=draft_temperature)
+        return [dict(cell, prompt=i, emitted=e, rounds=10) for i, e in enumerate(emitted)]
+
+    table = plot.tempering(rows(1.0, [30, 20, 25]) + rows(0.6, [20, 20, 20]) + rows(0.4, [5, 5, 5]))
+    assert len(table) == 1
+    row = table[0]
+    assert (row["budget"], row["temperature"], row["prompts"]) == (8, 0.6, 3)
+    assert row["difference"] == pytest.approx(2.5 - 2.0) and row["lo"] <= row["difference"] <= row["hi"]
