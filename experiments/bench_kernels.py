@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.tree import build_tree
+from ddtree_jax.tree import build_tree, tree_positions
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels import configs
 from pallas_kernels.configs import TreeAttentionConfig
@@ -199,12 +199,20 @@ def format_attention_row(row, names):
     return " | ".join(cells)
 
 
-def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0):
-    """A drafted tree of ``budget`` nodes, float32 target logits, coins and parameters."""
+def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0, noise=1.0):
+    """A drafted tree of ``budget`` nodes, float32 target logits, coins and parameters.
+
+    The target's logits after a node at depth d are the draft logits of depth d + 1 plus Gaussian
+    ``noise``: a target that mostly agrees with its drafter, so walks go deep (with independent
+    random logits every walk would stop at the root).
+    """
     keys = jax.random.split(jax.random.key(seed), 5)
-    draft = 3.0 * jax.random.normal(keys[0], (batch, DRAFT_DEPTH, vocab), jnp.bfloat16)
+    # float32: a bfloat16 normal has a truncated, quantised tail (ties at the top, flat shallow trees)
+    draft = 10.0 * jax.random.normal(keys[0], (batch, DRAFT_DEPTH, vocab), jnp.float32)  # peaked: deep trees
     tree = build_tree(draft, jnp.zeros((batch,), jnp.int32), budget=budget)
-    logits = 4.0 * jax.random.normal(keys[1], (batch, budget + 1, vocab), jnp.float32)
+    depth = jnp.minimum(tree_positions(tree, jnp.zeros((batch,), jnp.int32)), DRAFT_DEPTH - 1)
+    logits = draft[jnp.arange(batch)[:, None], depth].astype(jnp.float32)
+    logits = logits + noise * jax.random.normal(keys[1], logits.shape, jnp.float32)
     coins = jax.random.uniform(keys[2], (batch, budget + 1), minval=1e-6, maxval=1.0)
     final = jax.random.uniform(keys[3], (batch,), minval=1e-6, maxval=1.0)
     t, k, p = (jnp.full((batch,), x) for x in params)
