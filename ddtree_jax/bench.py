@@ -6,7 +6,7 @@ DDTree round per budget, and each part of the round run alone under jit on the s
 forward, tree build + encoding, verify forward, verification/sampling, commit). Caches are
 zero-filled to the given context length: a round's cost does not depend on the cached values.
 ``--mesh-check`` also times the round under a one-device ``("dp", "tp")`` mesh next to the same
-round without one (both on the XLA attention path, the one a mesh uses).
+round without one (both on the XLA attention path, which XLA partitions itself).
 Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree on the embedded pair, with the
 speedup over AR measured in the same process.
 

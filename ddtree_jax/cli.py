@@ -34,7 +34,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="devices the target is tensor-parallel over")
     p.add_argument("--dp", type=int, default=1, help="devices the batch of requests is split over")
     p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto",
-                   help="tree-verify attention: the Pallas kernel on a supported GPU (auto) or XLA")
+                   help="tree-verify attention: the Pallas kernel on a supported GPU (auto; per device "
+                        "with --tp/--dp) or XLA")
     p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto",
                    help="tree sampling: the jnp path (auto) or the fused Pallas kernel")
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET, help="HF-format target directory")

@@ -173,7 +173,7 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
     ctx_positions = (lengths - state.ctx_count)[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     draft_logits, drafter_cache = drafter_forward(
         drafter, target, state.drafter_cache, state.ctx_feats, ctx_positions, state.ctx_count,
-        state.root, lengths, attention_impl=spec.attention_impl)
+        state.root, lengths, attention_impl=spec.attention_impl, mesh=mesh)
     draft_logits = sharding.gather_vocab(draft_logits, mesh)
     tree = build_tree_unchecked(draft_logits, state.root, draft_temperature, budget=spec.budget, topk_cap=spec.topk_cap)
     return tree, drafter_cache
@@ -212,7 +212,7 @@ def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sa
     lengths = state.target_cache.lengths
     logits, taps, target_cache = target_forward(
         target, tree.tokens, tree_positions(tree, lengths), tree_attention_mask(tree), state.target_cache,
-        tap_layers=spec.tap_layers, attention_impl=spec.attention_impl)
+        tap_layers=spec.tap_layers, attention_impl=spec.attention_impl, mesh=mesh)
     logits = sharding.gather_vocab(logits, mesh)
     keys = request_keys(key, request_ids, state.round)
     coins, final_coins = coins_from_keys(keys, spec.num_nodes)
@@ -248,7 +248,7 @@ def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *,
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
     _, taps, cache = target_forward(target, prompt_BT, positions, causal, cache, tap_layers=spec.tap_layers,
-                                    attention_impl=spec.attention_impl)
+                                    attention_impl=spec.attention_impl, mesh=mesh)
     committed = prompt_len_B - 1
     cache = commit(cache, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)), committed)
     root = prompt_BT[jnp.arange(batch), committed]
@@ -369,8 +369,9 @@ def generate(
       request_ids: int ``[batch]``, default ``arange(batch)``.
       max_len: KV cache slots per request (default: just enough).
       with_expected: compute the exact expected acceptance per round (costs a full target law per node).
-      attention_impl: ``"auto" | "xla" | "pallas"``: the Pallas tree-attention kernel on a supported GPU
-        (auto, without a ``mesh``), or the XLA path.
+      attention_impl: ``"auto" | "xla" | "pallas" | "interpret"``: the Pallas tree-attention kernel on a
+        supported GPU (auto; per device inside ``shard_map`` with a ``mesh``), the XLA path, or the kernel
+        run by the Pallas interpreter (slow, for tests).
       sampler_impl: ``"auto" | "xla" | "pallas"``: the fused Pallas tree sampler when asked for
         (``"pallas"``), the jnp sampler otherwise (see `_resolve_impls`).
       on_round: called after each round with ``(tokens [B, *], num_generated [B], stats)`` (host arrays),
@@ -381,8 +382,6 @@ def generate(
     Returns:
       ``GenerateResult`` (tokens ``[batch, max_new_tokens]``, ``-1`` padded; lengths; statistics).
     """
-    if mesh is not None and attention_impl == "auto":
-        attention_impl = "xla"  # the kernels do not run inside shard_map yet: XLA partitions the XLA path
     spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
     if not (np.ndim(draft_temperature) == 0 and np.isfinite(draft_temperature) and draft_temperature > 0):

@@ -35,15 +35,20 @@ is split over ``"dp"`` along its batch axis; parameters are replicated over ``"d
 Randomness comes from per-request keys (``fold_in(fold_in(key, request_id), round)``) with
 partitionable Threefry, never from the device layout, so tokens do not depend on the mesh.
 
-XLA does not partition Pallas kernels: on a mesh with ``tp > 1`` they see whole (gathered) operands
-until they run inside ``shard_map``; use ``attention_impl="xla"`` there.
+XLA does not partition Pallas kernels, so the tree-attention kernel runs inside ``shard_map``
+(`shard_attention`): per device, its ``"dp"`` block of the batch and, for the target, its ``"tp"``
+block of query heads with the KV heads they read (the cache's own ``"tp"`` block when it is split
+over KV heads; cut from the replicated cache otherwise). The drafter's attention is split over
+``"dp"`` only. ``attention_impl="xla"`` stays the plain XLA path, partitioned by XLA.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -83,12 +88,13 @@ def check_tp(config: Qwen3Config, tp: int) -> None:
             raise ValueError(f"tp={tp} does not divide the target's {name}={value}")
 
 
-def check_mesh(mesh: Mesh, config: Qwen3Config, batch: int | None = None) -> None:
-    """Raise ``ValueError`` unless ``mesh`` has axes ``("dp", "tp")``, `check_tp` passes and ``dp``
-    divides ``batch`` (when given)."""
+def check_mesh(mesh: Mesh, config: Qwen3Config | None, batch: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``mesh`` has axes ``("dp", "tp")``, `check_tp` passes for the
+    target ``config`` (when given) and ``dp`` divides ``batch`` (when given)."""
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES} (see make_mesh), got {mesh!r}")
-    check_tp(config, tp_size(mesh))
+    if config is not None:
+        check_tp(config, tp_size(mesh))
     if batch is not None and batch % mesh.shape["dp"]:
         raise ValueError(f"dp={mesh.shape['dp']} does not divide the batch size {batch}")
 
@@ -135,6 +141,49 @@ def cache_shardings(cache: KVCache, mesh: Mesh, *, over_heads: bool = True) -> K
     """``NamedSharding``s of a `KVCache` (see `cache_spec`; ``lengths`` over ``"dp"``)."""
     spec = cache_spec(cache.k.shape[2], tp_size(mesh), over_heads=over_heads)
     return KVCache(k=NamedSharding(mesh, spec), v=NamedSharding(mesh, spec), lengths=NamedSharding(mesh, P("dp")))
+
+
+def shard_attention(attend_fn, mesh: Mesh, *, split_heads: bool):
+    """``attend_fn`` (the signature of `models.layers.attention`, e.g. the Pallas kernel) run per
+    device inside ``shard_map`` over ``mesh``, for use inside jit.
+
+    Every operand is split over ``"dp"`` along its batch axis. With ``split_heads`` (the target),
+    device j of ``"tp"`` takes the query heads ``[j H/tp, (j + 1) H/tp)`` (the row block of ``wo``
+    it holds) and the KV heads they read: its own block of a cache split over KV heads by
+    `cache_spec` (block j of H/tp query heads reads exactly KV block j of K/tp heads, the GQA
+    group being H/K), else `_local_kv_heads` of the replicated cache. Without ``split_heads`` (the
+    replicated drafter and its cache), heads stay whole and every ``"tp"`` device computes the
+    same output. Returns ``[B, N, H, D]`` laid out like ``q``'s in_spec.
+    """
+    tp = tp_size(mesh) if split_heads else 1
+    q_spec = P("dp", None, "tp" if split_heads else None, None)
+
+    def attend(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale):
+        num_heads, num_kv = q_BNHD.shape[2], k_BKSD.shape[1]
+        kv_spec = P(*cache_spec(num_kv, tp, over_heads=split_heads)[1:])
+        body = functools.partial(attend_fn, scale=scale)
+        if kv_spec[1] is None and tp > 1:
+            body = functools.partial(_local_kv_heads, body, group=num_heads // num_kv)
+        # check_vma off: a pallas_call does not declare how its outputs vary over mesh axes.
+        sharded = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P("dp"), P("dp", None, None)),
+                                out_specs=q_spec, check_vma=False)
+        return sharded(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM)
+
+    return attend
+
+
+def _local_kv_heads(attend_fn, q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, group):
+    """Inside `shard_attention`, cache replicated over ``"tp"`` (``tp`` does not divide the KV
+    heads): attend with this device's ``h = H/tp`` query heads ``[j h, (j + 1) h)`` over only the KV
+    heads they read, cut from the whole cache (global query head ``q`` reads KV head ``q // group``).
+    When ``h`` divides ``group`` all of them read KV head ``j h // group``: one head is cut and GQA
+    packing is kept. Otherwise the KV head of each query head is gathered (group 1 per device).
+    """
+    local = q_BNHD.shape[2]
+    num_kv = 1 if group % local == 0 else local
+    first = jax.lax.axis_index("tp") * local
+    kv_K = (first + jnp.arange(num_kv) * (local // num_kv)) // group
+    return attend_fn(q_BNHD, jnp.take(k_BKSD, kv_K, axis=1), jnp.take(v_BKSD, kv_K, axis=1), lengths_B, mask_BNM)
 
 
 def batch_sharding(x, mesh: Mesh) -> NamedSharding:

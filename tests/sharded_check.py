@@ -1,12 +1,15 @@
 """Sharded runs of tiny models, for `test_sharding.py`, in a process with 8 CPU devices.
 
 Usage: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharded_check.py OUT.json CASE...``
-with ``CASE = MODEL:TP:DP`` (e.g. ``a:4:2``). `run_case` with ``mesh=None`` gives the unsharded
-reference; the test compares the two. JSON output: ``{case: {key: value}}``.
+with ``CASE = MODEL:TP:DP`` (e.g. ``a:4:2``), or ``MODEL:TP:DP:interpret`` for the Pallas attention
+kernel (run by the interpreter) inside ``shard_map``. `run_case` with ``mesh=None`` gives the unsharded
+XLA-path reference; the test compares the two. JSON output: ``{case: {key: value}}``, plus
+``"attention"``: the largest error of the sharded kernel per `ATTENTION_SHAPES` entry.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -16,14 +19,23 @@ import numpy as np
 
 from ddtree_jax import engine, sharding
 from ddtree_jax.models import DFlashConfig, Qwen3Config, commit, init_cache, init_drafter, init_target, target_forward
+from ddtree_jax.models.layers import attention, attention_impl_fn
 from ddtree_jax.tree import build_tree, tree_attention_mask, tree_positions
 
 # a: kv heads divisible by 8 (cache over heads), untied head, vocab divisible by 8.
 # b: 2 kv heads (cache replicated for tp > 2), tied head, vocab 10 (replicated for tp = 4, 8).
+# c, d: a and b with the head_dim 16 the Pallas kernel needs.
 MODELS = {
-    "a": dict(vocab_size=8, num_key_value_heads=8, tie_word_embeddings=False),
-    "b": dict(vocab_size=10, num_key_value_heads=2, tie_word_embeddings=True),
+    "a": dict(vocab_size=8, num_key_value_heads=8, tie_word_embeddings=False, head_dim=8),
+    "b": dict(vocab_size=10, num_key_value_heads=2, tie_word_embeddings=True, head_dim=8),
+    "c": dict(vocab_size=8, num_key_value_heads=8, tie_word_embeddings=False, head_dim=16),
+    "d": dict(vocab_size=10, num_key_value_heads=2, tie_word_embeddings=True, head_dim=16),
 }
+# (query heads, kv heads, tp, dp, split_heads) of the kernel-in-shard_map check: cache over kv heads;
+# replicated with one kv head per device (tp = 4, 8); replicated with one kv head per query head
+# (tp = 2, 4 over 12 heads in groups of 4); batch over dp; heads unsplit (the drafter).
+ATTENTION_SHAPES = ((8, 4, 2, 2, True), (8, 2, 4, 1, True), (8, 2, 8, 1, True), (12, 3, 2, 1, True),
+                    (12, 3, 4, 2, True), (4, 2, 4, 2, False))
 PROMPTS = [[1, 2, 3, 4, 5], [7, 1], [3, 3, 3, 2, 1, 0, 5, 6], [4]]
 KEY_SEED = 3
 SAMPLING = dict(temperature=[0.0, 1.0, 0.8, 1.0], top_k=[0, 0, 3, 0], top_p=[1.0, 1.0, 1.0, 0.7])
@@ -34,8 +46,7 @@ GENERATE = dict(method="ddtree", budget=10, topk_cap=None, draft_temperature=8.0
 def tiny_models(name: str):
     """A tiny fp32 target (8 query heads) and drafter of model ``name`` (see ``MODELS``)."""
     m = MODELS[name]
-    tc = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                     head_dim=8, **m)
+    tc = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, **m)
     dc = DFlashConfig(vocab_size=m["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=4,
                       target_layer_ids=(0, 1), mask_token_id=m["vocab_size"] - 1, num_target_layers=2)
@@ -43,9 +54,32 @@ def tiny_models(name: str):
             init_drafter(dc, jax.random.key(1), jnp.float32, std=0.4))
 
 
-def forward_logits(target, mesh):
+def _count_primitives(jaxpr, counts, in_shard_map=False):
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        counts[name] = counts.get(name, 0) + 1
+        if name == "pallas_call":
+            counts["pallas_call_in_shard_map"] = counts.get("pallas_call_in_shard_map", 0) + in_shard_map
+            continue  # the kernel body is not part of the program around it
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds a Jaxpr
+                if hasattr(sub, "eqns"):
+                    _count_primitives(sub, counts, in_shard_map or name == "shard_map")
+    return counts
+
+
+def count_kernels(fn, *args) -> dict:
+    """How many Pallas calls ``fn(*args)`` runs, and how many of them inside a ``shard_map``
+    (nested jaxprs walked)."""
+    counts = _count_primitives(jax.make_jaxpr(fn)(*args).jaxpr, {})
+    return {"pallas_calls": counts.get("pallas_call", 0), "in_shard_map": counts.get("pallas_call_in_shard_map", 0)}
+
+
+def forward_logits(target, mesh, attention_impl="xla"):
     """Prefill logits of the padded prompts, then tree-verify logits of a 7-node tree over the
-    committed prompts, through `target_forward` on the (sharded) target and cache."""
+    committed prompts, through `target_forward` on the (sharded) target and cache; and the kernel
+    counts of the verify forward (see `count_kernels`)."""
     prompt_BT, prompt_len_B = engine._pad_prompts(PROMPTS, target.config.vocab_size)
     batch, length = prompt_BT.shape
     cfg = target.config
@@ -55,13 +89,15 @@ def forward_logits(target, mesh):
         cache = jax.device_put(cache, sharding.cache_shardings(cache, mesh))
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
-    prefill_logits, _, cache = target_forward(target, jnp.asarray(prompt_BT), positions, causal, cache)
+    forward = functools.partial(target_forward, attention_impl=attention_impl, mesh=mesh)
+    prefill_logits, _, cache = forward(target, jnp.asarray(prompt_BT), positions, causal, cache)
     cache = commit(cache, positions, jnp.asarray(prompt_len_B))
     draft_logits = jax.random.normal(jax.random.key(5), (batch, 3, cfg.vocab_size))
     tree = build_tree(draft_logits, jnp.asarray(prompt_BT[:, 0]), budget=6, topk_cap=2)
-    verify_logits, _, cache = target_forward(target, tree.tokens, tree_positions(tree, cache.lengths),
-                                             tree_attention_mask(tree), cache)
-    return prefill_logits, verify_logits, cache
+    verify_args = (target, tree.tokens, tree_positions(tree, cache.lengths), tree_attention_mask(tree), cache)
+    kernels = count_kernels(forward, *verify_args)
+    verify_logits, _, cache = forward(*verify_args)
+    return prefill_logits, verify_logits, cache, kernels
 
 
 def shard_shapes(tree) -> dict[str, list]:
@@ -71,11 +107,12 @@ def shard_shapes(tree) -> dict[str, list]:
             for path, x in leaves}
 
 
-def round_layouts(target, drafter, mesh) -> dict:
+def round_layouts(target, drafter, mesh, attention_impl="xla") -> dict:
     """Shard shapes of the decode state after `engine.prefill` and after one `engine.decode_round`
-    (the same compiled functions as `engine.generate`), and whether the round kept the layout."""
-    spec = engine.make_spec(target, drafter, *(GENERATE[k] for k in ("method", "budget", "topk_cap", "attention_impl",
-                                                                     "sampler_impl")))
+    (the same compiled functions as `engine.generate`), whether the round kept the layout, and the
+    round's kernel counts (see `count_kernels`)."""
+    spec = engine.make_spec(target, drafter, *(GENERATE[k] for k in ("method", "budget", "topk_cap")),
+                            attention_impl, GENERATE["sampler_impl"])
     prompt_BT, prompt_len_B = engine._pad_prompts(PROMPTS, target.config.vocab_size)
     target, drafter = sharding.shard_target(target, mesh), sharding.shard_drafter(drafter, mesh)
     t, k, p, request_ids = sharding.shard_batch(
@@ -88,25 +125,47 @@ def round_layouts(target, drafter, mesh) -> dict:
     layout = jax.tree.map(lambda x: x.sharding, state)
     args = (engine.SamplingParams(t, k, p), jax.random.key(KEY_SEED), request_ids,
             jnp.float32(GENERATE["draft_temperature"]), jnp.asarray([-2], jnp.int32))
-    state, _ = engine.decode_round(target, drafter, state, *args, spec=spec, max_new_tokens=GENERATE["max_new_tokens"],
-                                   with_expected=True, mesh=mesh)
+    round_fn = functools.partial(engine.decode_round, spec=spec, max_new_tokens=GENERATE["max_new_tokens"],
+                                 with_expected=True, mesh=mesh)
+    kernels = count_kernels(round_fn, target, drafter, state, *args)
+    state, _ = round_fn(target, drafter, state, *args)
     kept = all(jax.tree.leaves(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), state, layout)))
-    return {"state_after_prefill": before, "state_after_round": shard_shapes(state), "round_keeps_layout": kept}
+    return {"state_after_prefill": before, "state_after_round": shard_shapes(state), "round_keeps_layout": kept,
+            "round_kernels": kernels}
 
 
-def run_case(model: str, mesh) -> dict:
-    """Logits, generated tokens (mixed greedy and sampled requests) and, with a mesh, layouts."""
+def run_case(model: str, mesh, attention_impl: str = "xla") -> dict:
+    """Logits, generated tokens (mixed greedy and sampled requests) and, with a mesh, layouts and
+    kernel counts."""
     target, drafter = tiny_models(model)
-    prefill_logits, verify_logits, cache = forward_logits(target, mesh)
-    res = engine.generate(target, drafter, PROMPTS, **SAMPLING, **GENERATE, key=jax.random.key(KEY_SEED), mesh=mesh)
+    prefill_logits, verify_logits, cache, kernels = forward_logits(target, mesh, attention_impl)
+    res = engine.generate(target, drafter, PROMPTS, **SAMPLING, **(GENERATE | {"attention_impl": attention_impl}),
+                          key=jax.random.key(KEY_SEED), mesh=mesh)
     out = {"prefill_logits": np.asarray(prefill_logits).tolist(), "verify_logits": np.asarray(verify_logits).tolist(),
-           "tokens": res.tokens.tolist(), "tau": res.tau}
+           "tokens": res.tokens.tolist(), "tau": res.tau, "verify_kernels": kernels}
     if mesh is not None:
         out["target_params"] = shard_shapes(sharding.shard_target(target, mesh).params)
         out["drafter_params"] = shard_shapes(sharding.shard_drafter(drafter, mesh).params)
         out["forward_cache"] = shard_shapes(cache)
-        out.update(round_layouts(target, drafter, mesh))
+        out.update(round_layouts(target, drafter, mesh, attention_impl))
     return out
+
+
+def attention_errors() -> list[float]:
+    """Largest difference between the interpreted kernel inside `sharding.shard_attention` and the
+    unsharded XLA `attention`, per `ATTENTION_SHAPES` entry (random fp32 operands)."""
+    errors = []
+    for num_heads, num_kv, tp, dp, split_heads in ATTENTION_SHAPES:
+        k1, k2, k3, k4 = jax.random.split(jax.random.key(num_heads * 100 + tp * 10 + dp), 4)
+        batch, num_q, slots, head_dim = 4, 5, 24, 16
+        q = jax.random.normal(k1, (batch, num_q, num_heads, head_dim))
+        k, v = (jax.random.normal(key, (batch, num_kv, slots, head_dim)) for key in (k2, k3))
+        lengths = jnp.asarray([3, 0, 10, 7], jnp.int32)
+        mask = jax.random.bernoulli(k4, 0.5, (batch, num_q, num_q)) | jnp.eye(num_q, dtype=bool)
+        kernel = attention_impl_fn("interpret", sharding.make_mesh(tp, dp), split_heads=split_heads)
+        out = jax.jit(functools.partial(kernel, scale=0.25))(q, k, v, lengths, mask)
+        errors.append(float(jnp.abs(out - attention(q, k, v, lengths, mask, scale=0.25)).max()))
+    return errors
 
 
 def main(path: str, cases: list[str]) -> None:
@@ -114,8 +173,11 @@ def main(path: str, cases: list[str]) -> None:
         raise SystemExit(f"sharded_check needs 8 devices (XLA_FLAGS), got {jax.device_count()}")
     results = {}
     for case in cases:
-        model, tp, dp = case.split(":")
-        results[case] = run_case(model, sharding.make_mesh(int(tp), int(dp)))
+        if case == "attention":
+            results[case] = attention_errors()
+            continue
+        model, tp, dp, *impl = case.split(":")
+        results[case] = run_case(model, sharding.make_mesh(int(tp), int(dp)), *impl)
     try:
         engine.generate(*tiny_models("a"), PROMPTS[:3], mesh=sharding.make_mesh(2, 2))
     except ValueError as err:

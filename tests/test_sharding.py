@@ -4,7 +4,8 @@ The sharded runs need 8 devices, so they run in two subprocesses started with
 ``--xla_force_host_platform_device_count=8`` (`sharded_check.py`) while this process computes the
 unsharded references on its own device. Cases are ``MODEL:TP:DP``; model "a" has 8 KV heads and a
 vocabulary of 8 (cache and vocabulary split at every tp), model "b" 2 KV heads and a vocabulary of 10
-(both replicated at tp = 4).
+(both replicated at tp = 4). ``MODEL:TP:DP:interpret`` cases run the Pallas attention kernel (interpreted)
+inside ``shard_map`` on models "c" and "d", "a" and "b" with head_dim 16, against the unsharded XLA path.
 """
 
 import json
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -21,15 +23,17 @@ from jax.sharding import Mesh
 import sharded_check
 from ddtree_jax import engine, sharding
 from ddtree_jax.cli import main as cli_main
-from ddtree_jax.models import Qwen3Config
+from ddtree_jax.models import Qwen3Config, drafter_forward, init_cache, target_forward
 
-CASES = ("a:1:1", "a:2:1", "a:4:1", "a:8:1", "b:4:2")
-WORKERS = (("a:1:1", "a:4:1", "b:4:2"), ("a:2:1", "a:8:1"))
+KERNEL_CASES = ("c:2:1:interpret", "d:4:1:interpret", "c:2:2:interpret")  # d:4:1: 2 KV heads over tp = 4
+CASES = ("a:1:1", "a:2:1", "a:4:1", "a:8:1", "b:4:2", *KERNEL_CASES)
+WORKERS = (("a:1:1", "a:4:1", "b:4:2", "d:4:1:interpret", "attention"),
+           ("a:2:1", "a:8:1", "c:2:1:interpret", "c:2:2:interpret"))
 ROW_SPLIT = {"wqkv", "wo", "w_gate_up", "w_down"}
 
 
 def parse(case):
-    model, tp, dp = case.split(":")
+    model, tp, dp = case.split(":")[:3]
     return model, int(tp), int(dp)
 
 
@@ -57,8 +61,26 @@ def runs(tmp_path_factory):
 
 
 def test_all_cases_ran(runs):
-    assert set(runs[1]) >= set(CASES)
+    assert set(runs[1]) >= {*CASES, "attention"}
     assert all(r["tau"] > 1.5 for r in runs[0].values())  # trees are accepted: commits of several tokens
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_runs_inside_shard_map_only_when_asked(runs, case):
+    """Interpret cases: one Pallas call per target layer in the verify forward, plus one per drafter layer in
+    a round, each inside a shard_map; the XLA cases and the unsharded references have none."""
+    reference, results = runs
+    layers = (2, 3) if case.endswith(":interpret") else (0, 0)
+    for key, count in zip(("verify_kernels", "round_kernels"), layers):
+        assert results[case][key] == {"pallas_calls": count, "in_shard_map": count}, key
+    assert reference[parse(case)[0]]["verify_kernels"] == {"pallas_calls": 0, "in_shard_map": 0}
+
+
+def test_sharded_kernel_attention_matches_xla(runs):
+    """Every head layout of `sharding.shard_attention` (sharded_check.ATTENTION_SHAPES) on random operands."""
+    errors = runs[1]["attention"]
+    assert len(errors) == len(sharded_check.ATTENTION_SHAPES)
+    assert max(errors) < 1e-5, errors
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -100,22 +122,23 @@ def test_parameter_shardings(runs, case):
         for path, (shard, devices) in placed.items():
             assert shard == rule(path, shapes[path], tp, target.config.vocab_size), path
             assert devices == tp * dp, path
-    qkv_columns = (8 + 2 * sharded_check.MODELS[model]["num_key_value_heads"]) * 8
+    qkv_columns = (8 + 2 * sharded_check.MODELS[model]["num_key_value_heads"]) * sharded_check.MODELS[model]["head_dim"]
     assert results["target_params"]["['layers'][0]['wqkv']"][0] == [64 // tp, qkv_columns]
-    assert ("['lm_head']" in results["target_params"]) == (model == "a")  # b ties it to the embedding
+    tied = sharded_check.MODELS[model]["tie_word_embeddings"]
+    assert ("['lm_head']" in results["target_params"]) == (not tied)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_cache_and_state_shardings(runs, case):
     model, tp, dp = parse(case)
     results, devices = runs[1][case], tp * dp
-    kv_heads = sharded_check.MODELS[model]["num_key_value_heads"]
+    kv_heads, head_dim = (sharded_check.MODELS[model][k] for k in ("num_key_value_heads", "head_dim"))
     heads, batch = (kv_heads // tp if kv_heads % tp == 0 else kv_heads), len(sharded_check.PROMPTS) // dp
-    assert results["forward_cache"][".k"] == [[2, batch, heads, 24, 8], devices]
+    assert results["forward_cache"][".k"] == [[2, batch, heads, 24, head_dim], devices]
     for key in ("state_after_prefill", "state_after_round"):
         state = results[key]
         for name in (".k", ".v"):
-            assert state[".target_cache" + name] == [[2, batch, heads, 40, 8], devices]
+            assert state[".target_cache" + name] == [[2, batch, heads, 40, head_dim], devices]
             assert state[".drafter_cache" + name] == [[1, batch, 2, 40, 16], devices]  # replicated over tp
         for name, (shard, placed_on) in state.items():
             assert placed_on == devices, name
@@ -165,6 +188,23 @@ def test_check_mesh_wants_dp_tp_axes():
     sharding.check_mesh(mesh, config, batch=3)
     with pytest.raises(ValueError, match="axes"):
         sharding.check_mesh(Mesh(mesh.devices.reshape(-1), ("x",)), config)
+
+
+def test_forwards_validate_the_mesh_before_tracing():
+    target, drafter = sharded_check.tiny_models("c")
+    cfg, dc, batch = target.config, drafter.config, 3
+    cache = init_cache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, 8, cfg.head_dim, jnp.float32)
+    tokens = jnp.zeros((batch, 2), jnp.int32)
+    args = (target, tokens, tokens, jnp.ones((batch, 2, 2), bool), cache)
+    flat = Mesh(sharding.make_mesh().devices.reshape(-1), ("x",))
+    with pytest.raises(ValueError, match="axes"):
+        target_forward(*args, attention_impl="interpret", mesh=flat)
+    drafter_cache = init_cache(dc.num_hidden_layers, batch, dc.num_key_value_heads, 8, dc.head_dim, jnp.float32)
+    feats = jnp.zeros((batch, 1, dc.num_features), jnp.float32)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    with pytest.raises(ValueError, match="axes"):
+        drafter_forward(drafter, target, drafter_cache, feats, zeros[:, None], zeros, zeros, zeros,
+                        attention_impl="interpret", mesh=flat)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -200,22 +200,22 @@ def append_context(drafter: Drafter, cache: KVCache, ctx_feats_BCF, ctx_position
     return KVCache(k=k_LBKSD, v=v_LBKSD, lengths=lengths_B)
 
 
-@functools.partial(jax.jit, static_argnames="attention_impl")
+@functools.partial(jax.jit, static_argnames=("attention_impl", "mesh"))
 def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
-                     root_tokens_B, root_positions_B, attention_impl):
+                     root_tokens_B, root_positions_B, attention_impl, mesh):
     cfg = drafter.config
     cache = append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B)
     batch = root_tokens_B.shape[0]
     block_tokens_BQ = _block_tokens(cfg, root_tokens_B)
     block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]
     attend = L.cached_attend(jnp.ones((batch, cfg.block_size, cfg.block_size), bool), cfg.head_dim ** -0.5,
-                             attention_impl)
+                             attention_impl, mesh, split_heads=False)
     hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache)
     return drafter_head(drafter, target, hidden_BQD[:, 1:]), cache
 
 
 def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_BCF, ctx_positions_BC,
-                    ctx_count_B, root_tokens_B, root_positions_B, *, attention_impl="xla"):
+                    ctx_count_B, root_tokens_B, root_positions_B, *, attention_impl="xla", mesh=None):
     """One drafting step with the drafter's context cache.
 
     First appends context: the first ``ctx_count[b]`` of the C rows of ``ctx_feats [B, C, F]``
@@ -227,11 +227,18 @@ def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_
     Returns ``draft_logits [B, block_size - 1, V]`` float32 (slot k predicts position
     ``root_position + k``) and the cache. Needs ``lengths + C`` and
     ``lengths + ctx_count + block_size`` within ``max_len`` (see `check_capacity`).
-    ``attention_impl``: ``"xla" | "pallas" | "auto"`` (see `layers.attention_impl_fn`).
+    ``attention_impl``: ``"xla" | "pallas" | "auto" | "interpret"`` (see `layers.attention_impl_fn`).
+    ``mesh``: the ``("dp", "tp")`` mesh the drafter (replicated) and its cache (batch over ``"dp"``)
+    are placed on, for the kernels to run per device inside ``shard_map`` with whole heads
+    (static; ``None``: one device).
     """
     _check_pair(drafter, target)
     L.attention_impl_fn(attention_impl)
     batch, _ = _check_context(drafter, ctx_feats_BCF, ctx_positions_BC)
+    if mesh is not None:
+        from ddtree_jax.sharding import check_mesh  # the sharding rules import this module
+
+        check_mesh(mesh, None, batch)
     _check_int("ctx_count_B", ctx_count_B, (batch,))
     check_token_ids("root_tokens_B", root_tokens_B, target.config.vocab_size)
     if np.shape(root_tokens_B) != (batch,):
@@ -241,7 +248,7 @@ def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_
     check_cache_shape(cache, num_layers=cfg.num_hidden_layers, batch=batch, kv_heads=cfg.num_key_value_heads,
                       head_dim=cfg.head_dim)
     return _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
-                            root_tokens_B, root_positions_B, attention_impl)
+                            root_tokens_B, root_positions_B, attention_impl, mesh)
 
 
 def drafter_logits(drafter: Drafter, target: Target, token_ids_BT):

@@ -131,13 +131,19 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret")
 _KERNEL_BACKEND = {"pallas": "triton", "interpret": "interpret", "auto": "auto"}
 
 
-def attention_impl_fn(impl: str):
+def attention_impl_fn(impl: str, mesh=None, *, split_heads: bool = True):
     """The attention function behind the ``attention_impl`` switch (same signature as `attention`).
 
     ``"xla"``: `attention`; ``"pallas"``: the Pallas Triton tree-attention kernel (CUDA GPUs);
     ``"auto"``: the kernel where it runs (a CUDA GPU of compute capability >= 8.0 and a
     power-of-two head_dim >= 16), `attention` elsewhere; ``"interpret"``: the kernel run by the
     Pallas interpreter (any backend; slow, for tests).
+
+    With a ``("dp", "tp")`` ``mesh`` (a `jax.sharding.Mesh`), the kernel runs per device inside
+    ``shard_map`` (`ddtree_jax.sharding.shard_attention`): batch over ``"dp"`` and, with
+    ``split_heads`` (the tensor-parallel target), query heads and their KV heads over ``"tp"``;
+    without it (the replicated drafter) every ``"tp"`` device attends with all heads. ``"xla"``
+    ignores the mesh: XLA partitions `attention` itself.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
@@ -145,14 +151,19 @@ def attention_impl_fn(impl: str):
         return attention
     from pallas_kernels.tree_attention import tree_attention  # the kernels import this module
 
-    return functools.partial(tree_attention, backend=_KERNEL_BACKEND[impl])
+    kernel = functools.partial(tree_attention, backend=_KERNEL_BACKEND[impl])
+    if mesh is None:
+        return kernel
+    from ddtree_jax.sharding import shard_attention  # the sharding rules import the models
+
+    return shard_attention(kernel, mesh, split_heads=split_heads)
 
 
-def cached_attend(mask_BNM, scale, impl: str = "xla"):
+def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads: bool = True):
     """The `run_decoder` attention step over a `KVCache` state: write layer i's new K/V to the
-    scratch slots ``[lengths, lengths + N)``, then attention (``impl``, see `attention_impl_fn`)
-    over the cache with ``mask``."""
-    attend_fn = attention_impl_fn(impl)
+    scratch slots ``[lengths, lengths + N)``, then attention (``impl``, ``mesh`` and
+    ``split_heads``: see `attention_impl_fn`) over the cache with ``mask``."""
+    attend_fn = attention_impl_fn(impl, mesh, split_heads=split_heads)
 
     def attend(i, q_BNHD, k_BNKD, v_BNKD, cache: KVCache):
         cache = KVCache(k=write_scratch(cache.k, i, k_BNKD, cache.lengths),

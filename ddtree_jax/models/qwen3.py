@@ -147,14 +147,14 @@ def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_laye
     return project_vocab(target, h_BND), taps_BNF, state
 
 
-@functools.partial(jax.jit, static_argnames=("tap_layers", "attention_impl"))
-def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers, attention_impl):
-    attend = L.cached_attend(mask_BNN, target.config.head_dim ** -0.5, attention_impl)
+@functools.partial(jax.jit, static_argnames=("tap_layers", "attention_impl", "mesh"))
+def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers, attention_impl, mesh):
+    attend = L.cached_attend(mask_BNN, target.config.head_dim ** -0.5, attention_impl, mesh)
     return _run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers, logits_at_BK)
 
 
 def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVCache, *, tap_layers=(),
-                   logits_at_BK=None, attention_impl="xla"):
+                   logits_at_BK=None, attention_impl="xla", mesh=None):
     """Forward of N new tokens per request over the cache (prefill, decode and tree verify).
 
     ``tokens_BN`` int, ``positions_BN`` int (RoPE positions), ``mask_BNN`` bool: new token i
@@ -166,18 +166,24 @@ def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVC
     so the last layer's tap is after the final norm) and the cache.
     With ``logits_at_BK`` (int ``[B, K]``, indices into the N new tokens), only those rows'
     logits are computed: ``[B, K, V]`` (e.g. the last prompt token of a long prefill).
-    ``attention_impl``: ``"xla" | "pallas" | "auto"`` (see `layers.attention_impl_fn`).
+    ``attention_impl``: ``"xla" | "pallas" | "auto" | "interpret"`` (see `layers.attention_impl_fn`).
+    ``mesh``: the ``("dp", "tp")`` mesh the target and cache are placed on (`ddtree_jax.sharding`),
+    for the kernels to run per device inside ``shard_map`` (static; ``None``: one device).
     """
     tap_layers = _check_taps(target.config, tap_layers)
     L.attention_impl_fn(attention_impl)
     _check_tokens(target.config, tokens_BN, positions_BN, mask_BNN)
     cfg = target.config
+    if mesh is not None:
+        from ddtree_jax.sharding import check_mesh  # the sharding rules import this module
+
+        check_mesh(mesh, cfg, np.shape(tokens_BN)[0])
     check_cache_shape(cache, num_layers=cfg.num_hidden_layers, batch=np.shape(tokens_BN)[0],
                       kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
     if logits_at_BK is not None:
         _check_rows(logits_at_BK, np.shape(tokens_BN))
     return _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers,
-                           attention_impl)
+                           attention_impl, mesh)
 
 
 @functools.partial(jax.jit, static_argnames="tap_layers")
