@@ -43,9 +43,13 @@ SHAPES = {
         target=dict(vocab_size=151_936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072),
         drafter=dict(num_hidden_layers=5, block_size=16, target_layer_ids=(1, 9, 17, 25, 33))),
-    "tiny": dict(
+    "qwen3-32b": dict(
+        target=dict(vocab_size=151_936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                    num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072),
+        drafter=dict(num_hidden_layers=5, block_size=16, target_layer_ids=(1, 16, 31, 46, 61))),
+    "tiny": dict(  # 8 query heads so that tensor parallelism up to 8 applies
         target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192),
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=8192),
         drafter=dict(num_hidden_layers=1, block_size=8, target_layer_ids=(0, 3))),
 }
 
@@ -100,7 +104,8 @@ def make_state(target, drafter, spec, batch, context, max_new=4096) -> engine.De
     )
 
 
-def _sampling(batch: int, temperature: float, top_p: float) -> engine.SamplingParams:
+def constant_sampling(batch: int, temperature: float, top_p: float) -> engine.SamplingParams:
+    """The same temperature and top-p (top-k off) for every request of the batch."""
     return engine.SamplingParams(jnp.full((batch,), temperature, jnp.float32), jnp.zeros((batch,), jnp.int32),
                                  jnp.full((batch,), top_p, jnp.float32))
 
@@ -183,7 +188,7 @@ def bench_shapes(args, emit) -> None:
     print(f"decode roofline {decode_floor:.2f} ms, DDTree round floor {round_floor:.2f} ms", flush=True)
     impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl)
     for batch in args.batches:
-        sampling = _sampling(batch, args.temperature, args.top_p)
+        sampling = constant_sampling(batch, args.temperature, args.top_p)
         for context in args.contexts:
             ar = engine.make_spec(target, None, "ar", 1, None, **impls)
             decode_ms = time_round(target, drafter, ar, make_state(target, drafter, ar, batch, context), sampling,
