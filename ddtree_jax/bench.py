@@ -279,8 +279,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_from_args(args) -> int:
     """Run the parts asked for; the JSON at ``args.out`` is rewritten after every row."""
-    if not 0 < args.top_p <= 1 or args.temperature < 0:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {args.temperature}, {args.top_p}")
+    for name, ok, rule in (("temperature", args.temperature >= 0, ">= 0"), ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
+                           ("topk_cap", args.topk_cap >= 0, ">= 0"), ("repeats", args.repeats >= 1, ">= 1"),
+                           ("new_tokens", args.new_tokens >= 1, ">= 1"), ("hbm_tbps", args.hbm_tbps > 0, "> 0")):
+        if not ok:
+            raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
     device = jax.devices()[0].device_kind
     print(f"device {device}, jax {jax.__version__}", flush=True)
     result = dict(meta=dict(device=device, backend=jax.default_backend(), jax=jax.__version__,

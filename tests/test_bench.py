@@ -1,0 +1,43 @@
+"""`ddtree bench` (ddtree_jax.bench) end to end on tiny shapes and the embedded pair, and its bad input."""
+
+import json
+
+import pytest
+
+from ddtree_jax import cli
+
+PART_KEYS = {"drafter_ms", "tree_ms", "verify_forward_ms", "sampling_ms", "commit_ms"}
+
+
+def test_bench_tiny_shapes_and_embedded(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
+            "--mesh-check", "--embedded", "--embedded-batches", "1", "--new-tokens", "6", "--out", str(out)]
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = result["shapes"]
+    assert [(r["batch"], r["context"], r["budget"]) for r in rows] == [(2, 16, 4), (2, 16, 8)]
+    for row in rows:
+        assert PART_KEYS <= set(row) and all(row[k] > 0 for k in PART_KEYS | {"round_ms", "decode_ms"})
+        assert row["round_over_decode"] == pytest.approx(row["round_ms"] / row["decode_ms"])
+    assert rows[0]["round_mesh1_ms"] > 0 and rows[0]["round_xla_ms"] > 0 and "round_mesh1_ms" not in rows[1]
+    embedded = result["embedded"]
+    assert [(r["temperature"], r["method"]) for r in embedded] == [
+        (t, m) for t in (0.0, 1.0) for m in ("ar", "chain", "ddtree")]
+    assert all(r["tau"] >= 1 and r["tokens_per_s"] > 0 for r in embedded)
+    assert all(r["tau"] == 1 for r in embedded if r["method"] == "ar")
+    assert result["meta"]["settings"]["budgets"] == [4, 8]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--repeats", "0", "--repeats must be >= 1"), ("--top-p", "0", "--top-p must be in"),
+    ("--temperature", "-1", "--temperature must be >= 0"), ("--topk-cap", "-2", "--topk-cap must be >= 0"),
+])
+def test_bench_rejects_bad_flags(tmp_path, flag, value, message):
+    with pytest.raises(ValueError, match=message):
+        cli.main(["bench", "--shapes", "tiny", flag, value, "--out", str(tmp_path / "b.json")])
+
+
+def test_bench_rejects_bad_lists():
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--budgets", "16,0"])
