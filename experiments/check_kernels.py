@@ -1,11 +1,13 @@
 """Equality of the compiled Pallas kernels with the jnp references on a GPU, over a grid of shapes.
 
-The CPU tests run the same kernels in interpret mode; this script runs the compiled (Triton)
-kernels on the device, over shapes too large for the CPU: contexts up to 64k, up to 512 tree
-nodes, GQA groups 1/4/8, head_dim 64/128, bf16 and fp32, batch up to 32, ragged lengths and
-padding nodes. The reference runs with float32 matmuls at full precision.
+The CPU tests run the same kernels in interpret mode; this script runs the compiled kernels
+(Triton, and with ``--backends triton,mosaic`` also the Mosaic GPU kernel, Hopper only) on the
+device, over shapes too large for the CPU: contexts up to 64k, up to 512 tree nodes, GQA groups
+1/4/8, head_dim 64/128, bf16 and fp32, batch up to 32, ragged lengths and padding nodes. The
+Mosaic GPU kernel skips the fp32 cases (it takes bf16/fp16 only). The reference runs with
+float32 matmuls at full precision.
 
-    PYTHONPATH=. python experiments/check_kernels.py --out experiments/results
+    PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from pallas_kernels.reference import tree_attention_reference
 from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
 
 # (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
 ATTENTION_CASES = [
@@ -55,37 +58,53 @@ def attention_case(seed, batch, nodes, heads, kv_heads, head_dim, contexts, padd
     return q, k, v, jnp.asarray(lengths), jnp.asarray(mask)
 
 
-def check_attention():
+def check_attention(backends=("triton",)):
     records = []
     for seed, (batch, nodes, heads, kv_heads, head_dim, contexts, padding, dtype) in enumerate(ATTENTION_CASES):
         args = attention_case(seed, batch, nodes, heads, kv_heads, head_dim, contexts, padding,
                               jnp.dtype(dtype))
         scale = head_dim ** -0.5
-        record = dict(batch=batch, nodes=nodes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                      contexts=contexts, padding=padding, dtype=dtype)
-        start = time.perf_counter()
-        try:
-            out = np.asarray(tree_attention(*args, scale=scale, backend="triton"), np.float32)
-            with jax.default_matmul_precision("highest"):
-                ref = np.asarray(tree_attention_reference(*args, scale=scale), np.float32)
-        except Exception as err:  # noqa: BLE001 (recorded as a failed case)
-            record.update(ok=False, error=f"{type(err).__name__}: {str(err)[:2000]}")
-        else:
-            err = float(np.abs(out - ref).max())
-            tol = 1e-4 if dtype == "float32" else 3e-2
-            record.update(max_abs_err=err, tol=tol, ok=bool(err <= tol and np.isfinite(out).all()))
-        record["seconds"] = time.perf_counter() - start
-        print(record, flush=True)
-        records.append(record)
+        with jax.default_matmul_precision("highest"):
+            ref = np.asarray(tree_attention_reference(*args, scale=scale), np.float32)
+        for backend in backends:
+            record = dict(backend=backend, batch=batch, nodes=nodes, heads=heads,
+                          kv_heads=kv_heads, head_dim=head_dim, contexts=contexts,
+                          padding=padding, dtype=dtype)
+            if backend == "mosaic" and not any(jnp.dtype(dtype) == d for d in MOSAIC_DTYPES):
+                record.update(ok=True, skipped=f"{dtype} not supported by the mosaic kernel")
+                print(record, flush=True)
+                records.append(record)
+                continue
+            records.append(_check_attention_backend(record, args, scale, ref, backend))
     return records
+
+
+def _check_attention_backend(record, args, scale, ref, backend):
+    start = time.perf_counter()
+    try:
+        out = np.asarray(tree_attention(*args, scale=scale, backend=backend), np.float32)
+    except Exception as err:  # noqa: BLE001 (recorded as a failed case)
+        record.update(ok=False, error=f"{type(err).__name__}: {str(err)[:2000]}")
+    else:
+        err = float(np.abs(out - ref).max())
+        tol = 1e-4 if record["dtype"] == "float32" else 3e-2
+        record.update(max_abs_err=err, tol=tol, ok=bool(err <= tol and np.isfinite(out).all()))
+    record["seconds"] = time.perf_counter() - start
+    print(record, flush=True)
+    return record
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
+    parser.add_argument("--backends", default="triton",
+                        help="comma-separated tree-attention backends to check: triton, mosaic")
     args = parser.parse_args(argv)
+    backends = tuple(args.backends.split(","))
+    if not set(backends) <= {"triton", "mosaic"}:
+        raise ValueError(f"--backends must list triton and/or mosaic, got {args.backends!r}")
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-    results = dict(attention=check_attention())
+    results = dict(attention=check_attention(backends))
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))

@@ -4,7 +4,9 @@
 - ``tree_sample``: fused tree verification from target logits (walk + final draw).
 
 Both take ``backend="auto" | "triton" | "interpret" | "xla"``; ``auto`` uses the Triton kernel
-on a CUDA GPU and the XLA path elsewhere.
+on a CUDA GPU and the XLA path elsewhere. ``tree_attention`` also has ``"mosaic"``, a Mosaic GPU
+(Hopper wgmma) kernel (``tree_attention_mgpu``), and ``"mosaic_interpret"``, that kernel in the
+Mosaic GPU interpreter; ``auto`` does not pick it until it is validated on a GPU.
 """
 
 from pallas_kernels.configs import TreeAttentionConfig, tree_attention_config

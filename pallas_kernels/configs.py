@@ -14,6 +14,10 @@ reasoning from the Hopper one and are marked unmeasured:
   blocks and two stages so that the double-buffered K/V tiles fit.
 
 Ampere/Ada (``(8, x)``) get conservative defaults that also serve unknown GPUs.
+
+``MOSAIC_TREE_ATTENTION_CONFIGS`` holds the Mosaic GPU kernel's (``tree_attention_mgpu``,
+Hopper only): 64-row, 64-key blocks (one warpgroup, one wgmma tile), ``num_stages`` key/value
+buffers, the Triton entry's split-K policy. Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -63,6 +67,11 @@ TREE_ATTENTION_CONFIGS: dict[tuple[int, int], TreeAttentionConfig] = {
                                  min_programs=296, min_chunk=512),
     (12, 0): TreeAttentionConfig(block_m=64, block_k=32, num_warps=4, num_stages=2,
                                  min_programs=376, min_chunk=512),
+}
+
+MOSAIC_TREE_ATTENTION_CONFIGS: dict[tuple[int, int], TreeAttentionConfig] = {
+    (9, 0): TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=2,
+                                min_programs=264, min_chunk=512),
 }
 
 

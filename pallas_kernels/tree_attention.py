@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.configs import TreeAttentionConfig, device_capability, tree_attention_config
 from pallas_kernels.reference import tree_attention_reference
 
-BACKENDS = ("auto", "triton", "interpret", "xla")
+BACKENDS = ("auto", "triton", "interpret", "mosaic", "mosaic_interpret", "xla")
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Masked scores: finite, so that a block with no visible key yields no NaN (its
 # probabilities are zeroed explicitly).
@@ -48,9 +48,13 @@ def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, backen
         ``mask[b, i, j]``; every slot ``< lengths[b]`` is visible.
       scale: softmax scale (a Python float).
       backend: ``"triton"`` (Pallas Triton kernel on a CUDA GPU), ``"interpret"`` (the same
-        kernel interpreted, any platform), ``"xla"`` (``tree_attention_reference``) or
-        ``"auto"`` (triton on a CUDA GPU when the shapes are supported, else xla).
-      config: tiling; default from ``configs.tree_attention_config`` for the local GPU.
+        kernel interpreted, any platform), ``"mosaic"`` (the Mosaic GPU kernel of
+        ``tree_attention_mgpu``, Hopper only, bf16/fp16, head_dim 64/128; not yet validated on
+        a GPU, so ``"auto"`` never picks it), ``"mosaic_interpret"`` (that kernel in the Mosaic
+        GPU interpreter, CPU), ``"xla"`` (``tree_attention_reference``) or ``"auto"`` (triton
+        on a CUDA GPU when the shapes are supported, else xla).
+      config: tiling; default from ``configs.tree_attention_config`` for the local GPU (for
+        the mosaic backends, ``configs.MOSAIC_TREE_ATTENTION_CONFIGS``).
 
     Returns:
       ``[B, N, H, D]`` in ``q``'s dtype. Query head h reads KV head ``h // (H // K)``; softmax
@@ -63,6 +67,11 @@ def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, backen
         backend = "triton" if on_cuda and kernel_supports(q_BNHD, k_BKSD) else "xla"
     if backend == "xla":
         return tree_attention_reference(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale=scale)
+    if backend in ("mosaic", "mosaic_interpret"):
+        # Imported here: that module builds on this one's packing and merge helpers.
+        from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
+        return tree_attention_mgpu(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale=scale,
+                                   interpret=backend == "mosaic_interpret", config=config)
     if not kernel_supports(q_BNHD, k_BKSD):
         raise ValueError(f"backend={backend!r} needs a power-of-two head_dim >= 16 and float32, "
                          f"bfloat16 or float16 q/k/v of one dtype; got head_dim={q_BNHD.shape[-1]}, "
@@ -84,6 +93,11 @@ def kernel_supports(q_BNHD, k_BKSD) -> bool:
 def _check_args(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale, backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_shapes(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale)
+
+
+def check_shapes(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale):
+    """ValueError naming the argument unless the operands fit the `tree_attention` contract."""
     if not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a Python number, got {scale!r}")
     if q_BNHD.ndim != 4 or k_BKSD.ndim != 4:
