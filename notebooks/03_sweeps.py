@@ -98,6 +98,19 @@ print(f"{len(drafted)} drafted cells: expected inside the measured 95% interval 
       f"measured - expected: mean {gap.mean():+.3f}, max |.| {np.abs(gap).max():.3f}")
 
 # %% [markdown]
+# ## Tempering the draft marginals to the target temperature
+#
+# Does building the tree from the drafter's marginals at the target's temperature T (instead of at
+# 1) change acceptance? Each line pairs the two cells over the same prompts and coins:
+# tau(draft temperature 1) - tau(draft temperature T) with a paired 95% bootstrap interval.
+
+# %%
+for row in plot.tempering(rows):
+    cap = f", cap {row['topk_cap']}" if row["topk_cap"] else ""
+    print(f"T = {row['temperature']:g}, B = {row['budget']}{cap}: {row['tau_draft_1']:.2f} vs "
+          f"{row['tau_tempered']:.2f}, difference {row['difference']:+.3f} [{row['lo']:+.3f}, {row['hi']:+.3f}]")
+
+# %% [markdown]
 # ## The figures of `experiments/plot.py`
 
 # %%
