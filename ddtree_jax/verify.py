@@ -228,11 +228,14 @@ def tree_rejection_sample(
 
 @functools.partial(jax.jit, static_argnames="max_depth")
 def _greedy_verify(candidates, next_token, next_sibling, target_argmax, *, max_depth):
-    parents = parents_from_fcns(next_token, next_sibling)
-    rows = jnp.arange(candidates.shape[0])
-    ones = jnp.ones(candidates.shape, jnp.float32)
-    row_at = lambda cur: _ArgmaxRow(target_argmax[rows, cur])  # noqa: E731
-    return _walk(candidates, parents, ones, ones[:, 0], row_at, max_depth)
+    return _argmax_walk(candidates, parents_from_fcns(next_token, next_sibling), target_argmax, max_depth)
+
+
+def _argmax_walk(tokens_BN, parents_BN, argmax_BN, max_depth: int) -> VerifyResult:
+    """The walk on one-hot rows given each node's target argmax (coins cannot change its outcome)."""
+    rows = jnp.arange(tokens_BN.shape[0])
+    ones = jnp.ones(tokens_BN.shape, jnp.float32)
+    return _walk(tokens_BN, parents_BN, ones, ones[:, 0], lambda cur: _ArgmaxRow(argmax_BN[rows, cur]), max_depth)
 
 
 def tree_greedy_verify(
@@ -273,14 +276,14 @@ def verify_from_coins(
     calls it inside its jitted round.
     """
     rows = jnp.arange(tree.tokens.shape[0])
-    walk = functools.partial(_walk, tree.tokens, tree.parents, coins_BN, final_coins_B, max_depth=tree.max_depth)
 
     def greedy():
         argmax_BN = jnp.argmax(target_logits_BNV, axis=-1).astype(jnp.int32)
-        return walk(lambda cur: _ArgmaxRow(argmax_BN[rows, cur]))
+        return _argmax_walk(tree.tokens, tree.parents, argmax_BN, tree.max_depth)
 
     def sampled():
-        return walk(lambda cur: _ProbRow(row_probs(target_logits_BNV[rows, cur], temperature_B, top_k_B, top_p_B)))
+        row_at = lambda cur: _ProbRow(row_probs(target_logits_BNV[rows, cur], temperature_B, top_k_B, top_p_B))  # noqa: E731
+        return _walk(tree.tokens, tree.parents, coins_BN, final_coins_B, row_at, tree.max_depth)
 
     return jax.lax.cond(jnp.all(temperature_B <= 0), greedy, sampled)
 
