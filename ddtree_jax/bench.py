@@ -110,12 +110,20 @@ def constant_sampling(batch: int, temperature: float, top_p: float) -> engine.Sa
                                  jnp.full((batch,), top_p, jnp.float32))
 
 
+def shard_models(target, drafter, mesh):
+    """The target and drafter placed on ``mesh`` (`sharding.shard_target`, `sharding.shard_drafter`),
+    once per mesh: `time_round` takes them as they are."""
+    return sharding.shard_target(target, mesh), sharding.shard_drafter(drafter, mesh)
+
+
 def time_round(target, drafter, spec, state, sampling, repeats, mesh=None) -> float:
-    """Median ms of the engine's whole round, the state threaded through as ``generate`` does."""
+    """Median ms of the engine's whole round, the state threaded through as ``generate`` does.
+
+    With a ``mesh``, ``target`` and ``drafter`` must already be placed on it (`shard_models`); the
+    state is placed here.
+    """
     batch = state.root.shape[0]
     if mesh is not None:
-        target = sharding.shard_target(target, mesh)
-        drafter = sharding.shard_drafter(drafter, mesh)
         state = jax.device_put(state, sharding.state_shardings(state, mesh))
     args = (sampling, jax.random.key(0), jnp.arange(batch, dtype=jnp.int32), jnp.float32(1.0),
             jnp.array([-2], jnp.int32))
@@ -210,9 +218,10 @@ def bench_shapes(args, emit) -> None:
                                            args.sampler_impl)
                     row["round_xla_ms"] = time_round(target, drafter, xla, make_state(target, drafter, xla, batch,
                                                                                       context), sampling, args.repeats)
-                    row["round_mesh1_ms"] = time_round(target, drafter, xla, make_state(target, drafter, xla, batch,
-                                                                                        context), sampling,
-                                                       args.repeats, mesh=sharding.make_mesh(1, 1))
+                    mesh = sharding.make_mesh(1, 1)
+                    row["round_mesh1_ms"] = time_round(*shard_models(target, drafter, mesh), xla,
+                                                       make_state(target, drafter, xla, batch, context), sampling,
+                                                       args.repeats, mesh=mesh)
                 print(f"  B={budget:4d}: round {round_ms:7.2f} ms = {row['round_over_decode']:.2f} decode steps | "
                       + " ".join(f"{k[:-3]} {v:.2f}" for k, v in parts.items())
                       + f" | build+sampling {100 * row['core_share']:.1f}% of the round"

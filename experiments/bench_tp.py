@@ -77,22 +77,18 @@ def layer_allreduce_ms(target, mesh, tokens: int, repeats: int) -> float:
 def bench_latency(target, drafter, tp, args) -> list[dict]:
     """Decode step and DDTree rounds at ``tp``, with the per-layer all-reduce time."""
     mesh = sharding.make_mesh(tp)
+    placed = bench.shard_models(target, drafter, mesh)
     sampling = bench.constant_sampling(args.batch, 0.0, 1.0)
-    ar = engine.make_spec(target, None, "ar", 1, None, args.attention_impl, "xla")
-    decode_ms = bench.time_round(target, drafter, ar, bench.make_state(target, drafter, ar, args.batch, args.context),
-                                 sampling, args.repeats, mesh=mesh)
-    rows = [dict(tp=tp, kind="decode", budget=0, ms=decode_ms,
-                 allreduce_per_layer_ms=layer_allreduce_ms(target, mesh, args.batch, args.repeats) if tp > 1 else 0.0)]
-    for budget in args.budgets:
-        spec = engine.make_spec(target, drafter, "ddtree", budget, None, args.attention_impl, "xla")
-        ms = bench.time_round(target, drafter, spec, bench.make_state(target, drafter, spec, args.batch, args.context),
+    specs = [("decode", 0, engine.make_spec(target, None, "ar", 1, None, args.attention_impl, "xla"))]
+    specs += [("ddtree", budget, engine.make_spec(target, drafter, "ddtree", budget, None, args.attention_impl, "xla"))
+              for budget in args.budgets]
+    rows = []
+    for kind, budget, spec in specs:
+        ms = bench.time_round(*placed, spec, bench.make_state(target, drafter, spec, args.batch, args.context),
                               sampling, args.repeats, mesh=mesh)
-        tokens = args.batch * (budget + 1)
-        rows.append(dict(tp=tp, kind="ddtree", budget=budget, ms=ms,
-                         allreduce_per_layer_ms=layer_allreduce_ms(target, mesh, tokens, args.repeats) if tp > 1
-                         else 0.0))
-    for row in rows:
-        row["allreduce_share"] = row["allreduce_per_layer_ms"] * target.config.num_hidden_layers / row["ms"]
+        per_layer = layer_allreduce_ms(target, mesh, args.batch * spec.num_nodes, args.repeats) if tp > 1 else 0.0
+        rows.append(dict(tp=tp, kind=kind, budget=budget, ms=ms, allreduce_per_layer_ms=per_layer,
+                         allreduce_share=per_layer * target.config.num_hidden_layers / ms))
     return rows
 
 
