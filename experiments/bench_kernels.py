@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.bench import median_ms
 from ddtree_jax.tree import build_tree, tree_positions
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels import configs
@@ -140,14 +141,14 @@ def compile_all(jobs, workers=12):
     return compiled
 
 
-def median_seconds(compiled, args, *, repeats=3, per_call=1) -> float:
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append((time.perf_counter() - start) / per_call)
-    return float(np.median(times))
+def within_budget(items, budget_s):
+    """``items`` in order until ``budget_s`` seconds have passed (checked before each item)."""
+    deadline = time.monotonic() + budget_s
+    for item in items:
+        if time.monotonic() > deadline:
+            print("time budget reached, stopping", flush=True)
+            return
+        yield item
 
 
 def error_text(err) -> str:
@@ -162,12 +163,8 @@ def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8):
     jobs = {(shape, name): (chained(fn, chain), attention_shapes(*shape))
             for shape in shapes for name, fn in impls.items()}
     compiled = compile_all(jobs)
-    deadline = time.monotonic() + budget_s
     records = []
-    for shape in shapes:
-        if time.monotonic() > deadline:
-            print("time budget reached, stopping", flush=True)
-            break
+    for shape in within_budget(shapes, budget_s):
         args = attention_inputs(*shape)
         nbytes = attention_bytes(*shape)
         row = dict(batch=shape[0], nodes=shape[1], context=shape[2], bytes=nbytes)
@@ -176,7 +173,7 @@ def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8):
             try:
                 if isinstance(exe, Exception):
                     raise exe
-                seconds = median_seconds(exe, args, per_call=chain)
+                seconds = median_ms(functools.partial(exe, *args), 3) / 1e3 / chain
                 row[name] = dict(ms=seconds * 1e3, gbs=nbytes / seconds / 1e9,
                                  hbm_frac=nbytes / seconds / 1e9 / peak_gbs)
             except Exception as err:  # noqa: BLE001 (an OOM or unsupported path is a result)
@@ -228,12 +225,8 @@ def bench_sampling(cases, *, vocab, peak_gbs, budget_s, report):
     jobs = {(case, name): (fn, jax.eval_shape(lambda c=case: make(*c)))
             for case in cases for name, fn in impls.items()}
     compiled = compile_all(jobs)
-    deadline = time.monotonic() + budget_s
     records = []
-    for case in cases:
-        if time.monotonic() > deadline:
-            print("time budget reached, stopping", flush=True)
-            break
+    for case in within_budget(cases, budget_s):
         args = make(*case)
         row = dict(budget=case[0], batch=case[1], params=case[2])
         results = {}
@@ -243,7 +236,7 @@ def bench_sampling(cases, *, vocab, peak_gbs, budget_s, report):
                 if isinstance(exe, Exception):
                     raise exe
                 results[name] = jax.block_until_ready(exe(*args))
-                seconds = median_seconds(exe, args, repeats=5)
+                seconds = median_ms(functools.partial(exe, *args), 5) / 1e3
                 row[name] = dict(ms=seconds * 1e3, frac_of_verify_floor=seconds / floor_s)
             except Exception as err:  # noqa: BLE001
                 row[name] = dict(error=error_text(err))
