@@ -137,13 +137,17 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _split_count(programs: int, num_slots: int, config: TreeAttentionConfig) -> int:
+    """Split-K factor: enough programs for ``config.min_programs``, chunks of at least
+    ``config.min_chunk`` slots."""
+    return max(1, min(-(-config.min_programs // programs), num_slots // config.min_chunk))
+
+
 def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig) -> _Plan:
     block_m = min(config.block_m, _pow2_at_least(rows, 16))
     rows_pad = _round_up(rows, block_m)
     block_t = min(config.block_k, _pow2_at_least(num_new, 16))
-    programs = batch * num_kv * (rows_pad // block_m)
-    wanted = -(-config.min_programs // programs)
-    splits = max(1, min(wanted, num_slots // config.min_chunk))
+    splits = _split_count(batch * num_kv * (rows_pad // block_m), num_slots, config)
     chunk = _round_up(-(-num_slots // splits), config.block_k)
     return _Plan(block_m, rows_pad, block_t, _round_up(num_new, block_t),
                  num_splits=-(-num_slots // chunk), chunk=chunk)

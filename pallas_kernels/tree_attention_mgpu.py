@@ -34,7 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.configs import MOSAIC_TREE_ATTENTION_CONFIGS, TreeAttentionConfig
-from pallas_kernels.tree_attention import _merge_splits, _pack_queries, _unpack_output, check_shapes
+from pallas_kernels.tree_attention import (
+    _merge_splits, _pack_queries, _round_up, _split_count, _unpack_output, check_shapes,
+)
 
 BLOCK = 64  # rows per program and keys per block: the wgmma M and a 128-byte bf16 row
 HEAD_DIMS = (64, 128)
@@ -94,17 +96,11 @@ class _Plan:
     num_splits: int
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig) -> _Plan:
     rows_pad = _round_up(rows, BLOCK)
     window = _round_up(BLOCK - 1 + num_new, BLOCK)
     num_slots = max(num_slots, window)
-    programs = batch * num_kv * (rows_pad // BLOCK)
-    wanted = -(-config.min_programs // programs)
-    splits = max(1, min(wanted, num_slots // config.min_chunk))
+    splits = _split_count(batch * num_kv * (rows_pad // BLOCK), num_slots, config)
     num_blocks = num_slots // BLOCK
     chunk_blocks = max(1, -(-num_blocks // splits))
     return _Plan(rows_pad, window, num_slots, chunk_blocks,
