@@ -21,11 +21,18 @@ def bootstrap_ci(numerator, denominator, *, draws=2000, seed=0) -> tuple[float, 
     ``numerator`` and ``denominator`` are ``[prompts]`` (e.g. emitted tokens and rounds, whose
     pooled ratio is tau); prompts are resampled with replacement ``draws`` times.
     """
-    numerator, denominator = np.asarray(numerator, np.float64), np.asarray(denominator, np.float64)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(numerator), size=(draws, len(numerator)))
-    ratios = numerator[idx].sum(1) / denominator[idx].sum(1)
-    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+    num, den = _resampled_sums([np.asarray(x, np.float64) for x in (numerator, denominator)], draws, seed)
+    return _interval(num / den)
+
+
+def _resampled_sums(arrays: list[np.ndarray], draws: int, seed: int) -> list[np.ndarray]:
+    """``[draws]`` sums of each ``[prompts]`` array over the same prompts resampled with replacement."""
+    idx = np.random.default_rng(seed).integers(0, len(arrays[0]), size=(draws, len(arrays[0])))
+    return [x[idx].sum(1) for x in arrays]
+
+
+def _interval(values: np.ndarray) -> tuple[float, float]:
+    return float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
 
 
 def paired_bootstrap_diff(num_a, den_a, num_b, den_b, *, draws=2000, seed=0) -> tuple[float, float, float]:
@@ -38,9 +45,6 @@ def paired_bootstrap_diff(num_a, den_a, num_b, den_b, *, draws=2000, seed=0) -> 
     arrays = [np.asarray(x, np.float64) for x in (num_a, den_a, num_b, den_b)]
     if len({x.shape for x in arrays}) != 1 or arrays[0].ndim != 1:
         raise ValueError(f"need four [prompts] arrays of one shape, got {[x.shape for x in arrays]}")
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(arrays[0]), size=(draws, len(arrays[0])))
-    na, da, nb, db = (x[idx].sum(1) for x in arrays)
-    diffs = na / da - nb / db
+    na, da, nb, db = _resampled_sums(arrays, draws, seed)
     diff = arrays[0].sum() / arrays[1].sum() - arrays[2].sum() / arrays[3].sum()
-    return float(diff), float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))
+    return (float(diff), *_interval(na / da - nb / db))
