@@ -1,10 +1,10 @@
 """Benchmark the Pallas kernels against the XLA paths at Qwen3-8B shapes (meant for a GPU).
 
 - ``attention``: tree attention (32 query heads, 8 KV heads, head_dim 128, bf16), the Triton
-  kernel vs the models' XLA attention (and ``jax.nn.dot_product_attention`` with a mask with
-  ``--dpa``), for N tree nodes, a committed context and a batch. Achieved HBM bandwidth counts
-  the bytes the call must move: K/V of the prefix and the tree for every KV head, queries and
-  outputs.
+  kernel vs the models' XLA attention (``--impls`` adds the Mosaic GPU kernel and
+  ``jax.nn.dot_product_attention`` with a mask), for N tree nodes, a committed context and a
+  batch. Achieved HBM bandwidth counts the bytes the call must move: K/V of the prefix and the
+  tree for every KV head, queries and outputs.
 - ``sweep``: the candidate tilings of ``SWEEP_CONFIGS`` on a few shapes (how the measured
   config table entry is chosen).
 - ``sampling``: fused tree sampling vs the jnp path (``verify_from_coins``) for V = 151,936,
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import platform
@@ -52,6 +53,9 @@ SWEEP_CONFIGS = {
     "m128k128w8s2": TreeAttentionConfig(block_m=128, block_k=128, num_warps=8, num_stages=2),
     "m64k64w4s3p528": TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=3,
                                           min_programs=528),
+    # the sm_90 entry with longer split-K chunks (fewer splits, no merge at short contexts)
+    **{f"sm90c{chunk}": dataclasses.replace(configs.TREE_ATTENTION_CONFIGS[(9, 0)], min_chunk=chunk)
+       for chunk in (512, 1024, 2048, 4096)},
 }
 SAMPLING_PARAMS = {"T1": (1.0, 0, 1.0), "T0.7_k50_p0.9": (0.7, 50, 0.9)}
 
@@ -190,9 +194,10 @@ def format_attention_row(row, names):
     for name in names:
         r = row.get(name, {})
         cells.append(f"{name} {r['ms']:8.3f} ms {r['gbs']:6.0f} GB/s" if "ms" in r else f"{name} n/a")
-    xla, pallas = row.get("xla", {}), row.get("pallas", {})
-    if "ms" in xla and "ms" in pallas:
-        cells.append(f"speedup {xla['ms'] / pallas['ms']:.2f}x")
+    xla = row.get("xla", {})
+    for name in ("pallas", "mosaic"):
+        if "ms" in xla and "ms" in row.get(name, {}):
+            cells.append(f"{name} speedup {xla['ms'] / row[name]['ms']:.2f}x")
     return " | ".join(cells)
 
 
@@ -216,10 +221,14 @@ def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0, noise=1.0):
     return tree, logits, coins, final, t.astype(jnp.float32), k.astype(jnp.int32), p.astype(jnp.float32)
 
 
-def bench_sampling(cases, *, vocab, peak_gbs, budget_s, report):
-    """Fused sampling vs the jnp path on ``(budget, batch, params name)`` cases (``budget_s`` as
+def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report):
+    """Fused sampling (one implementation per ``(block_v, num_warps, num_stages)`` of
+    ``fused_configs``) vs the jnp path on ``(budget, batch, params name)`` cases (``budget_s`` as
     in ``bench_attention``)."""
-    impls = {"fused": lambda *a: tree_sample(*a, backend="triton"), "jnp": verify_from_coins}
+    impls = {fused_name(c, len(fused_configs)): functools.partial(
+                 tree_sample, backend="triton", block_v=c[0], num_warps=c[1], num_stages=c[2])
+             for c in fused_configs}
+    impls["jnp"] = verify_from_coins
     floor_s = QWEN3_8B_WEIGHT_BYTES / (peak_gbs * 1e9)
     make = lambda budget, batch, pname: sampling_inputs(batch, budget, SAMPLING_PARAMS[pname], vocab)  # noqa: E731
     jobs = {(case, name): (fn, jax.eval_shape(lambda c=case: make(*c)))
@@ -240,19 +249,28 @@ def bench_sampling(cases, *, vocab, peak_gbs, budget_s, report):
                 row[name] = dict(ms=seconds * 1e3, frac_of_verify_floor=seconds / floor_s)
             except Exception as err:  # noqa: BLE001
                 row[name] = dict(error=error_text(err))
-        if len(results) == 2:
-            same = [bool(np.array_equal(np.asarray(getattr(results["fused"], f)),
-                                        np.asarray(getattr(results["jnp"], f))))
-                    for f in ("accept_index", "emitted", "predicts")]
-            row["identical"] = all(same)
-            row["requests_differing"] = int(np.sum(np.any(
-                np.asarray(results["fused"].emitted) != np.asarray(results["jnp"].emitted), axis=1)))
+        if "jnp" in results:
             row["mean_accepted"] = float(np.mean(np.asarray(results["jnp"].num_accepted)))
+            for name in results.keys() - {"jnp"}:
+                row[name].update(compare_results(results[name], results["jnp"]))
         records.append(row)
         report(records)
         print(row, flush=True)
         del args, results
     return records
+
+
+def fused_name(config, count):
+    """``"fused"`` for a single configuration, else ``"fused_<block_v>_<warps>_<stages>"``."""
+    return "fused" if count == 1 else "fused_{}_{}_{}".format(*config)
+
+
+def compare_results(result, reference):
+    """Whether two ``VerifyResult`` agree; the number of requests whose emitted tokens differ."""
+    same = [bool(np.array_equal(np.asarray(getattr(result, f)), np.asarray(getattr(reference, f))))
+            for f in ("accept_index", "emitted", "predicts")]
+    differing = np.any(np.asarray(result.emitted) != np.asarray(reference.emitted), axis=1)
+    return dict(identical=all(same), requests_differing=int(np.sum(differing)))
 
 
 def main(argv=None):
@@ -263,10 +281,18 @@ def main(argv=None):
     parser.add_argument("--nodes", default="16,64,256")
     parser.add_argument("--contexts", default="1024,4096,16384,32768,65536")
     parser.add_argument("--sweep-contexts", default="16384")
+    parser.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
+                        help=f"tilings for the sweep part, from {list(SWEEP_CONFIGS)}")
     parser.add_argument("--sampling-cases", default="64:1,64:8,64:64,256:1,256:16,1024:1,1024:4",
                         help="budget:batch pairs")
     parser.add_argument("--vocab", type=int, default=VOCAB)
-    parser.add_argument("--dpa", action="store_true", help="also time jax.nn.dot_product_attention")
+    parser.add_argument("--impls", default="pallas,xla",
+                        help="attention implementations to time: pallas (Triton kernel), mosaic "
+                             "(Mosaic GPU kernel, Hopper), xla, dpa (jax.nn.dot_product_attention)")
+    parser.add_argument("--sampling-params", default=",".join(SAMPLING_PARAMS),
+                        help=f"sampling parameter sets, from {list(SAMPLING_PARAMS)}")
+    parser.add_argument("--fused-configs", default="4096:8:1",
+                        help="fused sampler launch configs block_v:num_warps:num_stages, comma-separated")
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
                         help="HBM bandwidth for the fraction columns (H200: 4.8 TB/s)")
     parser.add_argument("--budget-s", type=float, default=240.0,
@@ -285,21 +311,28 @@ def main(argv=None):
         report = lambda records, path=path: path.write_text(  # noqa: E731
             json.dumps(dict(info=info, records=records), indent=1))
         if part == "sampling":
-            cases = [(int(b), int(n), pname) for pname in SAMPLING_PARAMS
+            cases = [(int(b), int(n), pname) for pname in args.sampling_params.split(",")
                      for b, n in (c.split(":") for c in args.sampling_cases.split(","))]
-            bench_sampling(cases, vocab=args.vocab, peak_gbs=args.peak_gbs, budget_s=args.budget_s,
-                           report=report)
+            fused = [tuple(int(x) for x in c.split(":")) for c in args.fused_configs.split(",")]
+            bench_sampling(cases, fused, vocab=args.vocab, peak_gbs=args.peak_gbs,
+                           budget_s=args.budget_s, report=report)
             continue
         contexts = ints(args.contexts if part == "attention" else args.sweep_contexts)
         shapes = [(b, n, c) for b in ints(args.batches) for n in ints(args.nodes) for c in contexts]
         if part == "attention":
-            impls = {"pallas": lambda *a: tree_attention(*a, scale=scale, backend="triton"),
-                     "xla": lambda *a: tree_attention_reference(*a, scale=scale)}
-            if args.dpa:
-                impls["dpa"] = lambda *a: dot_product_attention(*a, scale=scale)
+            available = {
+                "pallas": functools.partial(tree_attention, scale=scale, backend="triton"),
+                "mosaic": functools.partial(tree_attention, scale=scale, backend="mosaic"),
+                "xla": functools.partial(tree_attention_reference, scale=scale),
+                "dpa": functools.partial(dot_product_attention, scale=scale)}
+            unknown = set(args.impls.split(",")) - available.keys()
+            if unknown:
+                raise SystemExit(f"--impls: unknown {sorted(unknown)}; choose from {list(available)}")
+            impls = {name: available[name] for name in args.impls.split(",")}
         else:
-            impls = {name: functools.partial(tree_attention, scale=scale, backend="triton", config=c)
-                     for name, c in SWEEP_CONFIGS.items()}
+            impls = {name: functools.partial(tree_attention, scale=scale, backend="triton",
+                                             config=SWEEP_CONFIGS[name])
+                     for name in args.sweep_configs.split(",")}
         bench_attention(shapes, impls, peak_gbs=args.peak_gbs, budget_s=args.budget_s, report=report)
 
 

@@ -37,6 +37,8 @@ class TreeAttentionConfig:
     Triton software-pipelining depth.
     ``min_programs``: the prefix is split (split-K) until the grid has at least this many
     programs. ``min_chunk``: no split covers fewer than this many prefix slots.
+    ``smem_bytes``: shared memory a program may use; fewer stages are launched where the query
+    block and ``num_stages`` K/V blocks would not fit (float32 operands at 128-row blocks).
     ``measured``: whether the entry was tuned on that hardware.
     """
 
@@ -46,6 +48,7 @@ class TreeAttentionConfig:
     num_stages: int = 2
     min_programs: int = 256
     min_chunk: int = 512
+    smem_bytes: int = 99 * 1024
     measured: bool = False
 
     def __post_init__(self):
@@ -58,13 +61,24 @@ class TreeAttentionConfig:
         """Warps for a block of ``block_m <= self.block_m`` rows: proportional, at least 4."""
         return max(4, self.num_warps * block_m // self.block_m)
 
+    def launch_stages(self, block_m: int, head_dim: int, itemsize: int) -> int:
+        """Pipeline stages that fit ``smem_bytes``: the query block plus one K and one V block
+        per stage (at least one stage)."""
+        def smem(stages):
+            return (block_m + 2 * stages * self.block_k) * head_dim * itemsize
+        stages = self.num_stages
+        while stages > 1 and smem(stages) > self.smem_bytes:
+            stages -= 1
+        return stages
+
 
 TREE_ATTENTION_CONFIGS: dict[tuple[int, int], TreeAttentionConfig] = {
     (8, 0): TreeAttentionConfig(),
     (9, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
-                                min_programs=264, min_chunk=512, measured=True),
+                                min_programs=264, min_chunk=512, smem_bytes=200 * 1024,
+                                measured=True),
     (10, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
-                                 min_programs=296, min_chunk=512),
+                                 min_programs=296, min_chunk=512, smem_bytes=200 * 1024),
     (12, 0): TreeAttentionConfig(block_m=64, block_k=32, num_warps=4, num_stages=2,
                                  min_programs=376, min_chunk=512),
 }

@@ -286,8 +286,9 @@ def _tree_attention_pallas(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale
                      pl.BlockSpec((None, None, None, plan.block_m), lambda r, j, b, h: (b, h, j, r))]
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=config.launch_warps(plan.block_m),
-                                           num_stages=config.num_stages),
+        compiler_params=plt.CompilerParams(
+            num_warps=config.launch_warps(plan.block_m),
+            num_stages=config.launch_stages(plan.block_m, head_dim, q_BNHD.dtype.itemsize)),
         interpret=interpret, name="tree_attention",
     )(lengths_B, q_BKMD, k_BKSD, v_BKSD, mask_BRM)
     o_BKMD = outs[0] if plan.num_splits == 1 else _merge_splits(*outs)

@@ -91,7 +91,7 @@ class _Plan:
 
     rows_pad: int  # packed query rows, a multiple of BLOCK
     window: int  # tail-window slots: the prefix remainder (< BLOCK) plus the M tree keys
-    num_slots: int  # cache slots, zero-padded to at least ``window``
+    num_slots: int  # cache slots, zero-padded to whole blocks, at least ``window``
     chunk_blocks: int  # full prefix blocks per split
     num_splits: int
 
@@ -99,7 +99,9 @@ class _Plan:
 def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig) -> _Plan:
     rows_pad = _round_up(rows, BLOCK)
     window = _round_up(BLOCK - 1 + num_new, BLOCK)
-    num_slots = max(num_slots, window)
+    # Whole blocks: every TMA copy then starts at a multiple of BLOCK (a cache whose slot count
+    # is not one is copied once, padded).
+    num_slots = _round_up(max(num_slots, window), BLOCK)
     splits = _split_count(batch * num_kv * (rows_pad // BLOCK), num_slots, config)
     num_blocks = num_slots // BLOCK
     chunk_blocks = max(1, -(-num_blocks // splits))
@@ -190,13 +192,15 @@ def _kernel(lengths_ref, starts_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, m_ref
     b, h = lax.axis_index("batch"), lax.axis_index("kv")
     plan = static.plan
     q_bar, k_bar, v_bar, bias_bar = barriers
-    rows = pl.ds(row_block * BLOCK, BLOCK)
+    # Dynamic offsets of TMA copies must be provably aligned to the shared-memory tiling.
+    aligned = lambda x: pl.multiple_of(x, BLOCK)  # noqa: E731
+    rows = pl.ds(aligned(row_block * BLOCK), BLOCK)
     cast = (lambda x, _: x) if static.interpret else plgpu.layout_cast
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar)
 
     def fetch_kv(start, buffer):
-        keys = pl.ds(start, BLOCK)
+        keys = pl.ds(aligned(start), BLOCK)
         k_src = k_ref.at[b, h, :, keys] if static.interpret else k_ref.at[b, h, keys]
         plgpu.copy_gmem_to_smem(k_src, k_smem.at[buffer], k_bar.at[buffer])
         plgpu.copy_gmem_to_smem(v_ref.at[b, h, keys], v_smem.at[buffer], v_bar.at[buffer])
@@ -214,7 +218,7 @@ def _kernel(lengths_ref, starts_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, m_ref
 
     def fetch_window(i, buffer):
         fetch_kv(starts_ref[b] + i * BLOCK, buffer)
-        plgpu.copy_gmem_to_smem(bias_ref.at[b, rows, pl.ds(i * BLOCK, BLOCK)],
+        plgpu.copy_gmem_to_smem(bias_ref.at[b, rows, pl.ds(aligned(i * BLOCK), BLOCK)],
                                 bias_smem.at[buffer], bias_bar.at[buffer])
 
     def window_block(i, buffer, carry):

@@ -43,7 +43,7 @@ _SIGN_OFF = 0x7FFFFFFF
 
 
 def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, temperature_B, top_k_B,
-                top_p_B, *, backend="auto", block_v=4096, num_warps=8) -> VerifyResult:
+                top_p_B, *, backend="auto", block_v=4096, num_warps=8, num_stages=1) -> VerifyResult:
     """Verify each request's tree against the target logits (greedy and sampled requests mixed).
 
     Args:
@@ -55,7 +55,8 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
         ``top_k = 0`` and ``top_p >= 1`` are off).
       backend: ``"triton"`` (Pallas kernel on a CUDA GPU), ``"interpret"`` (the same kernel
         interpreted), ``"xla"`` (``verify_from_coins``) or ``"auto"`` (triton on a CUDA GPU, else xla).
-      block_v: vocabulary entries per block (a power of two); num_warps: Triton warps per program.
+      block_v: vocabulary entries per block (a power of two); num_warps, num_stages: Triton warps
+        per program and software-pipelining depth of the vocabulary loops.
 
     Returns:
       ``VerifyResult`` as ``verify_from_coins``.
@@ -80,7 +81,7 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
                                jnp.asarray(temperature_B, jnp.float32),
                                jnp.asarray(top_k_B, jnp.int32), jnp.asarray(top_p_B, jnp.float32),
                                max_depth=tree.max_depth, block_v=block_v, num_warps=num_warps,
-                               interpret=backend == "interpret")
+                               num_stages=num_stages, interpret=backend == "interpret")
 
 
 def _order_key(z):
@@ -277,9 +278,10 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
+                                              "interpret"))
 def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins_B, temperature_B,
-                        top_k_B, top_p_B, *, max_depth, block_v, num_warps, interpret):
+                        top_k_B, top_p_B, *, max_depth, block_v, num_warps, num_stages, interpret):
     batch, num_nodes, vocab = logits_BNV.shape
     nodes_pad = _pow2_at_least(num_nodes)
     depth_pad = _pow2_at_least(max_depth + 2)
@@ -299,7 +301,7 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
                    jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32),
                    jax.ShapeDtypeStruct((batch, vocab), jnp.int8)],
         input_output_aliases={8: 2},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="tree_sample",
     )(temperature_B, top_k_B, top_p_B, final_coins_B, pad(tokens_BN, 0), pad(parents_BN, -1),
       pad(coins_BN, 1.0), logits_BNV, jnp.zeros((batch, vocab), jnp.int8))

@@ -160,3 +160,14 @@ def test_config_lookup():
     assert hopper.launch_warps(16) == 4
     with pytest.raises(ValueError, match="block_k"):
         TreeAttentionConfig(block_k=48)
+
+
+def test_launch_stages_fit_shared_memory():
+    hopper = configs.TREE_ATTENTION_CONFIGS[(9, 0)]
+    # bf16 at the full tiling fits; float32 at 128 rows and head_dim 128 needs 262 KB at 3
+    # stages (the H200 refused 246 KB) and fits at 2.
+    assert hopper.launch_stages(128, 128, 2) == hopper.num_stages == 3
+    assert hopper.launch_stages(128, 128, 4) == 2
+    assert hopper.launch_stages(64, 64, 4) == 3
+    small = TreeAttentionConfig(block_m=64, block_k=64, num_stages=4, smem_bytes=1)
+    assert small.launch_stages(64, 128, 4) == 1
