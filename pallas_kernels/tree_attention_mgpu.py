@@ -193,7 +193,9 @@ def _kernel(lengths_ref, starts_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, m_ref
     plan = static.plan
     q_bar, k_bar, v_bar, bias_bar = barriers
     # Dynamic offsets of TMA copies must be provably aligned to the shared-memory tiling.
-    aligned = lambda x: pl.multiple_of(x, BLOCK)  # noqa: E731
+    def aligned(x):
+        return x if isinstance(x, int) else pl.multiple_of(x, BLOCK)
+
     rows = pl.ds(aligned(row_block * BLOCK), BLOCK)
     cast = (lambda x, _: x) if static.interpret else plgpu.layout_cast
 
