@@ -4,19 +4,24 @@ Same result as ``ddtree_jax.verify.verify_from_coins`` (the jnp path) for the sa
 walk of DESIGN.md §2 (sgl-kernel "target-only" tree rejection sampling, thresholds 1), where the
 processed target row (temperature, then top-k, then top-p, see ``ddtree_jax.sampling``) is
 computed from the logits only for the nodes the walk visits, by streaming the vocabulary in
-blocks, never materialising probabilities and never sorting:
+blocks, never materialising probabilities and never sorting. Per visited row:
 
-- ``z = logits / T``; every pass recomputes ``e = exp(z - max z)`` on the fly;
-- a kept set is a prefix of the order (descending z, ascending token id), written as a boundary
-  ``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key``
-  maps float32 to int32 preserving order; greedy rows keep only the argmax;
-- top-k: ``w`` = the k-th largest key, built bit by bit from the most significant one (each bit
-  one counting pass), then, only when ties straddle the boundary, the token-id cutoff ``c`` by
-  the same search over id bits;
-- top-p: the same search on the mass ``sum e`` of the kept set instead of the count;
-- accepting a child reads only the children's logits; the final draw removes the rejected
-  children (marked in a per-request scratch row) and inverts the cumulative distribution in
-  token-id order, block sums first, then a cumulative sum inside the block.
+- greedy: one pass for the argmax;
+- sampled: one pass for ``m = max z`` and ``sum exp(z - m)`` (``z = logits / T``);
+- top-k / top-p: a kept set is a prefix of the order (descending z, ascending token id), written
+  as a boundary ``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``,
+  where ``key`` maps float32 to int32 preserving order. A pass counts the tokens and their mass
+  above 16 floors below ``m`` (geometric, refined linearly at most twice) to find a floor that
+  the kept set lies above and at most ``capacity`` tokens reach; those candidates are written,
+  in id order, to a per-request scratch, and ``w`` is found in registers by a radix search
+  (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p), ``c`` from the
+  ties' ranks. Kept sets that no floor confines to ``capacity`` tokens fall back to the same
+  searches done bit by bit with one pass over the row per bit.
+
+Accepting a child reads only the children's logits. The final draw removes the rejected
+children (marked in a per-request scratch row) and inverts the cumulative distribution in
+token-id order: over the candidates in registers, or from per-block sums of one pass and a
+cumulative sum inside the block that holds the crossing.
 
 Probabilities are summed in another order than the jnp path, so they may differ in the last
 bits; accepted paths and tokens agree except when a coin falls within that rounding of a
@@ -40,10 +45,14 @@ from pallas_kernels.configs import device_capability
 BACKENDS = ("auto", "triton", "interpret", "xla")
 _INT_MIN = -(2**31)
 _SIGN_OFF = 0x7FFFFFFF
+_FLOORS = 16  # candidate floors tried per pass
+_FLOOR_PASSES = 3  # one geometric pass, then up to two refinements
+_LN2 = 0.6931471805599453
 
 
 def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, temperature_B, top_k_B,
-                top_p_B, *, backend="auto", block_v=4096, num_warps=8, num_stages=1) -> VerifyResult:
+                top_p_B, *, backend="auto", block_v=32768, num_warps=16, num_stages=1,
+                capacity=2048) -> VerifyResult:
     """Verify each request's tree against the target logits (greedy and sampled requests mixed).
 
     Args:
@@ -57,6 +66,8 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
         interpreted), ``"xla"`` (``verify_from_coins``) or ``"auto"`` (triton on a CUDA GPU, else xla).
       block_v: vocabulary entries per block (a power of two); num_warps, num_stages: Triton warps
         per program and software-pipelining depth of the vocabulary loops.
+      capacity: candidate slots per request (a power of two): a truncated kept set that fits
+        them is searched in registers; a larger one by passes over the row.
 
     Returns:
       ``VerifyResult`` as ``verify_from_coins``.
@@ -65,6 +76,8 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    if capacity < 16 or capacity & (capacity - 1):
+        raise ValueError(f"capacity must be a power of two >= 16, got {capacity}")
     batch, num_nodes = tree.tokens.shape
     if target_logits_BNV.ndim != 3 or target_logits_BNV.shape[:2] != (batch, num_nodes):
         raise ValueError(f"target_logits must be [B={batch}, N={num_nodes}, V], got "
@@ -81,7 +94,8 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
                                jnp.asarray(temperature_B, jnp.float32),
                                jnp.asarray(top_k_B, jnp.int32), jnp.asarray(top_p_B, jnp.float32),
                                max_depth=tree.max_depth, block_v=block_v, num_warps=num_warps,
-                               num_stages=num_stages, interpret=backend == "interpret")
+                               num_stages=num_stages, capacity=capacity,
+                               interpret=backend == "interpret")
 
 
 def _order_key(z):
@@ -100,13 +114,19 @@ def _kept(key, ids, w, c):
     return (key > w) | ((key == w) & (ids < c))
 
 
-def _when(pred, fn, default):
-    """``fn()`` if ``pred`` else ``default``; only the taken branch runs.
+def _either(pred, true_fn, false_fn):
+    """``true_fn()`` if ``pred`` else ``false_fn()``; only the taken branch runs.
 
-    ``default`` goes through ``cond`` as an operand: a branch that returns a constant does not
-    lower to Triton, so ``default`` must not be a constant either.
+    Every output passes through a select on ``pred``: a Triton branch cannot yield a constant.
     """
-    return lax.cond(pred, lambda _: fn(), lambda d: d, default)
+    def branch(fn):
+        return lambda _: jax.tree.map(lambda v: jnp.where(pred, v, v), fn())
+    return lax.cond(pred, branch(true_fn), branch(false_fn), None)
+
+
+def _when(pred, fn, default):
+    """``fn()`` if ``pred`` else ``default``; only the taken branch runs."""
+    return _either(pred, fn, lambda: default)
 
 
 def _search_bits(bits, start, keep_going):
@@ -118,95 +138,266 @@ def _search_bits(bits, start, keep_going):
     return lax.fori_loop(0, bits, body, start)
 
 
+def _search_start(ge):
+    """Where ``_search_bits`` starts a search over keys: 0 if ``ge(0)``, else ``INT_MIN``."""
+    return lax.select(ge(jnp.int32(0)), jnp.int32(0), jnp.int32(_INT_MIN))
+
+
+def _id_bits(vocab: int) -> int:
+    return max(vocab - 1, 1).bit_length()
+
+
+def _top_p_cut(w_p, target, mass_gt, e_w, ties, id_cutoff, w, c, vocab):
+    """Top-p boundary at key ``w_p``: of its ``ties``, keep the fewest (in id order) whose mass
+    reaches ``target`` past ``mass_gt``; ``id_cutoff(n)`` is the id just past the n-th tie."""
+    keep = jnp.clip(jnp.ceil((target - mass_gt) / e_w), 1, ties).astype(jnp.int32)
+    all_ties = lax.select(w_p == w, c, jnp.int32(vocab))
+    return w_p, _when(keep < ties, lambda: id_cutoff(keep), all_ties)
+
+
+def _radix_search(holds):
+    """Largest int32 ``u`` for which the monotone (non-increasing) predicate holds, given that it
+    holds at ``INT_MIN``. Four bits per step, most significant first, over ``x = u ^ INT_MIN``
+    (``x`` orders like ``u`` as unsigned): ``holds(candidates_R) -> bool_R`` tests all 16 digits
+    of a step at once."""
+    x = jnp.int32(0)
+    for shift in range(28, -1, -4):
+        candidates = x | lax.shift_left(jnp.arange(16, dtype=jnp.int32), shift)
+        ok = holds(candidates ^ _INT_MIN)  # a prefix of trues
+        digit = jnp.maximum(jnp.sum(ok.astype(jnp.int32)) - 1, 0)
+        x = x | lax.shift_left(digit, shift)
+    return x ^ _INT_MIN
+
+
+def _nth_id(in_set, n, ids, none):
+    """Id of the n-th (from 1) member of ``in_set``, whose entries are in increasing id order."""
+    rank = jnp.cumsum(in_set.astype(jnp.int32))
+    return jnp.min(jnp.where(in_set & (rank == n), ids, none))
+
+
 def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
-                   coins_ref, logits_ref, _, accept_ref, emitted_ref, rejected_ref, *, vocab,
-                   block_v, num_nodes, max_depth, interpret):
+                   coins_ref, logits_ref, _, rejected_ref, cand_z_ref, cand_id_ref, accept_ref,
+                   emitted_ref, *, vocab, block_v, capacity, num_nodes, max_depth, interpret):
     """Program b: the whole walk and final draw of request b."""
     nodes_pad = tokens_ref.shape[0]
+    block_c = min(block_v, max(16, block_v // _FLOORS))
     num_blocks = pl.cdiv(vocab, block_v)
-    id_bits = max(vocab - 1, 1).bit_length()
+    blocks_pad = _pow2_at_least(num_blocks)
     temperature = temperature_ref[()]
     greedy = temperature <= 0.0
     divisor = jnp.where(greedy, 1.0, temperature)
     top_k, top_p = top_k_ref[()], top_p_ref[()]
+    use_k = ~greedy & (top_k > 0) & (top_k < vocab)
+    use_p = ~greedy & (top_p < 1.0)
     node_ids = jnp.arange(nodes_pad)
     tokens = tokens_ref[...]
     parents = parents_ref[...]
     coins = coins_ref[...]
+    slots = jnp.arange(capacity)
 
-    def fold_row(cur, fn, init):
-        """Fold ``fn(carry, ids, valid, z, key, block)`` over the vocabulary blocks of row ``cur``."""
+    def barrier():
+        if not interpret:  # scratch written by some threads is read by others (none interpreted)
+            plt.debug_barrier()
+
+    def load_block(cur, start, size):
+        ids = start + jnp.arange(size)
+        valid = ids < vocab
+        x = plt.load(logits_ref.at[cur, pl.ds(start, size)], mask=valid, other=0)
+        return ids, valid, x.astype(jnp.float32) / divisor
+
+    def fold_row(cur, fn, init, size=block_v):
+        """Fold ``fn(carry, ids, valid, z, block)`` over the vocabulary blocks of row ``cur``."""
         def body(i, carry):
-            ids = i * block_v + jnp.arange(block_v)
-            valid = ids < vocab
-            x = plt.load(logits_ref.at[cur, pl.ds(i * block_v, block_v)], mask=valid, other=0)
-            z = x.astype(jnp.float32) / divisor
-            return fn(carry, ids, valid, z, _order_key(z), i)
-        return lax.fori_loop(0, num_blocks, body, init)
+            return fn(carry, *load_block(cur, i * size, size), i)
+        return lax.fori_loop(0, pl.cdiv(vocab, size), body, init)
 
-    def count(cur, pred):
-        return fold_row(cur, lambda n, ids, valid, z, key, i: n + jnp.sum(
-            (valid & pred(key, ids)).astype(jnp.int32)), jnp.int32(0))
-
-    def mass(cur, m, pred):
-        return fold_row(cur, lambda s, ids, valid, z, key, i: s + jnp.sum(
-            jnp.where(valid & pred(key, ids), jnp.exp(z - m), 0.0)), jnp.float32(0.0))
-
-    def id_cutoff(cur, w, rank, in_set):
-        """Smallest c such that ``rank`` tokens of ``in_set`` with key w have an id < c."""
-        below = lambda c: count(cur, lambda key, ids: in_set(key, ids) & (key == w) & (ids < c))  # noqa: E731
-        return _search_bits(id_bits, jnp.int32(0), lambda c: below(c) < rank) + 1
-
-    def top_k_boundary(cur, w, c):
-        k = top_k
-        ge = lambda u: count(cur, lambda key, ids: key >= u) >= k  # noqa: E731
-        w_k = _search_bits(31, lax.select(ge(jnp.int32(0)), jnp.int32(0), jnp.int32(_INT_MIN)), ge)
-        rank = k - count(cur, lambda key, ids: key > w_k)
-        ties = count(cur, lambda key, ids: key == w_k)
-        everything = lambda key, ids: key == key  # noqa: E731
-        cut = _when(ties > rank, lambda: id_cutoff(cur, w_k, rank, everything), rank)
-        c_k = lax.select(ties > rank, cut, jnp.int32(vocab))
-        return w_k, c_k
-
-    def top_p_boundary(cur, m, w, c):
-        in_k = lambda key, ids: _kept(key, ids, w, c)  # noqa: E731
-        target = top_p * mass(cur, m, in_k)
-        ge = lambda u: mass(cur, m, lambda key, ids: in_k(key, ids) & (key >= u)) >= target  # noqa: E731
-        w_p = _search_bits(31, lax.select(ge(jnp.int32(0)), jnp.int32(0), jnp.int32(_INT_MIN)), ge)
-        mass_gt = mass(cur, m, lambda key, ids: in_k(key, ids) & (key > w_p))
-        e_w = jnp.exp(_key_value(w_p) - m)
-        ties = count(cur, lambda key, ids: in_k(key, ids) & (key == w_p))
-        keep = jnp.clip(jnp.ceil((target - mass_gt) / e_w), 1, ties).astype(jnp.int32)
-        all_ties = lax.select(w_p == w, c, jnp.int32(vocab))
-        c_p = _when(keep < ties, lambda: id_cutoff(cur, w_p, keep, in_k), all_ties)
-        return w_p, c_p
-
-    def row_stats(cur):
-        """Max, kept-set boundary and kept mass of row ``cur`` after temperature/top-k/top-p."""
-        def max_step(carry, ids, valid, z, key, i):
+    # --- streamed passes over a row -------------------------------------------------------------
+    def argmax_row(cur):
+        def step(carry, ids, valid, z, i):
             m, arg = carry
             z = jnp.where(valid, z, -jnp.inf)
             block_max = jnp.max(z)
             block_arg = jnp.min(jnp.where(z == block_max, ids, vocab))
             better = block_max > m
             return lax.select(better, block_max, m), lax.select(better, block_arg, arg)
+        return fold_row(cur, step, (jnp.float32(-jnp.inf), jnp.int32(vocab)))
 
-        m, arg = fold_row(cur, max_step, (jnp.float32(-jnp.inf), jnp.int32(vocab)))
-        w = lax.select(greedy, _order_key(m), jnp.int32(_INT_MIN))
-        c = lax.select(greedy, arg + 1, jnp.int32(vocab))
-        use_k = ~greedy & (top_k > 0) & (top_k < vocab)
-        w, c = _when(use_k, lambda: top_k_boundary(cur, w, c), (w, c))
-        w, c = _when(~greedy & (top_p < 1.0), lambda: top_p_boundary(cur, m, w, c), (w, c))
-        total = mass(cur, m, lambda key, ids: _kept(key, ids, w, c))
-        return m, w, c, total
+    def softmax_row(cur):
+        """Max ``m`` and ``sum exp(z - m)`` in one pass (per-lane sums rescaled as m grows)."""
+        def step(carry, ids, valid, z, i):
+            m, sums = carry
+            z = jnp.where(valid, z, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(z))
+            return m_new, sums * jnp.exp(m - m_new) + jnp.exp(z - m_new)
+        m, sums = fold_row(cur, step, (jnp.float32(-jnp.inf), jnp.zeros((block_v,), jnp.float32)))
+        return m, jnp.sum(sums)
 
+    def count(cur, pred):
+        return fold_row(cur, lambda n, ids, valid, z, i: n + jnp.sum(
+            (valid & pred(_order_key(z), ids)).astype(jnp.int32)), jnp.int32(0))
+
+    def mass(cur, m, pred):
+        return fold_row(cur, lambda s, ids, valid, z, i: s + jnp.sum(
+            jnp.where(valid & pred(_order_key(z), ids), jnp.exp(z - m), 0.0)), jnp.float32(0.0))
+
+    # --- truncation by candidates: few passes, then exact searches in registers -----------------
+    def floor_pass(cur, m, floors_F):
+        """Count and mass of the tokens with ``z >= floor``, for each of the F floors."""
+        def step(carry, ids, valid, z, i):
+            count_F, mass_F = carry
+            ge_FV = valid[None, :] & (z[None, :] >= floors_F[:, None])
+            e_V = jnp.exp(z - m)
+            return (count_F + jnp.sum(ge_FV.astype(jnp.int32), axis=1),
+                    mass_F + jnp.sum(jnp.where(ge_FV, e_V[None, :], 0.0), axis=1))
+        init = (jnp.zeros((_FLOORS,), jnp.int32), jnp.zeros((_FLOORS,), jnp.float32))
+        return fold_row(cur, step, init, size=block_c)
+
+    def candidate_floor(cur, m, holds):
+        """A floor L such that the kept set lies in ``{z >= L}`` (``holds(count, mass)``) and at most
+        ``capacity`` tokens reach it: geometric floors below the max, then up to two linear
+        refinements between the lowest failing and highest holding floor."""
+        steps_F = jnp.arange(_FLOORS).astype(jnp.float32)
+        geometric_F = m - 0.25 * jnp.exp(0.5 * _LN2 * steps_F)
+
+        def body(carry):
+            p, lo, hi, count_lo, _ = carry
+            floors_F = jnp.where(p == 0, geometric_F, hi - (hi - lo) * steps_F / _FLOORS)
+            count_F, mass_F = floor_pass(cur, m, floors_F)
+            ok_F = holds(count_F, mass_F)
+            any_ok = jnp.max(ok_F.astype(jnp.int32)) > 0
+            first = jnp.min(jnp.where(ok_F, jnp.arange(_FLOORS), _FLOORS))
+            pick = lambda x_F, j: jnp.sum(jnp.where(jnp.arange(_FLOORS) == j, x_F, 0))  # noqa: E731
+            lo_new = lax.select(any_ok, pick(floors_F, first), lo)
+            count_new = lax.select(any_ok, pick(count_F, first), count_lo)
+            above = lax.select(first > 0, pick(floors_F, first - 1), hi)
+            hi_new = lax.select(any_ok, above, pick(floors_F, _FLOORS - 1))
+            return p + 1, lo_new, hi_new, count_new, count_new <= capacity
+
+        def more(carry):
+            p, lo, _, _, found = carry
+            return (p < _FLOOR_PASSES) & ~found & ((p == 0) | (lo > -jnp.inf))
+
+        init = (jnp.int32(0), jnp.float32(-jnp.inf), m, jnp.int32(vocab), jnp.bool_(vocab <= capacity))
+        _, lo, _, count_lo, found = lax.while_loop(more, body, init)
+        return found, lo, count_lo
+
+    def compact(cur, floor):
+        """Writes the tokens with ``z >= floor`` (in id order) to the candidate scratch."""
+        def step(base, ids, valid, z, i):
+            sel = valid & (z >= floor)
+            pos = base + jnp.cumsum(sel.astype(jnp.int32)) - 1
+            # Unselected lanes write to their own spare slot past ``capacity``: a masked scatter
+            # may write old values back over duplicates.
+            slot = jnp.where(sel, pos, capacity + jnp.arange(block_c))
+            plt.store(cand_z_ref.at[slot], z)
+            plt.store(cand_id_ref.at[slot], ids)
+            return base + jnp.sum(sel.astype(jnp.int32))
+        fold_row(cur, step, jnp.int32(0), size=block_c)
+        barrier()
+
+    def candidates(m, num):
+        live = slots < num
+        z = jnp.where(live, cand_z_ref[pl.ds(0, capacity)], -jnp.inf)
+        ids = jnp.where(live, cand_id_ref[pl.ds(0, capacity)], vocab)
+        return live, ids, _order_key(z), jnp.where(live, jnp.exp(z - m), 0.0)
+
+    def candidate_boundary(m, total_all, num):
+        """Top-k then top-p boundary and kept mass, from the ``num`` candidates in registers."""
+        live, ids, key, e = candidates(m, num)
+        w, c = jnp.int32(_INT_MIN), jnp.int32(vocab)
+
+        def top_k_boundary():
+            ge = lambda u_R: jnp.sum((live[None, :] & (key[None, :] >= u_R[:, None])).astype(  # noqa: E731
+                jnp.int32), axis=1) >= top_k
+            w_k = _radix_search(ge)
+            rank = top_k - jnp.sum((live & (key > w_k)).astype(jnp.int32))
+            tie = live & (key == w_k)
+            ties = jnp.sum(tie.astype(jnp.int32))
+            return w_k, lax.select(ties > rank, _nth_id(tie, rank, ids, vocab) + 1, jnp.int32(vocab))
+
+        def top_p_boundary(w, c):
+            in_k = live & _kept(key, ids, w, c)
+            target = top_p * lax.select(use_k, jnp.sum(jnp.where(in_k, e, 0.0)), total_all)
+            ge = lambda u_R: jnp.sum(jnp.where(  # noqa: E731
+                in_k[None, :] & (key[None, :] >= u_R[:, None]), e[None, :], 0.0), axis=1) >= target
+            w_p = _radix_search(ge)
+            mass_gt = jnp.sum(jnp.where(in_k & (key > w_p), e, 0.0))
+            tie = in_k & (key == w_p)
+            return _top_p_cut(w_p, target, mass_gt, jnp.exp(_key_value(w_p) - m),
+                              jnp.sum(tie.astype(jnp.int32)),
+                              lambda n: _nth_id(tie, n, ids, vocab) + 1, w, c, vocab)
+
+        w, c = _when(use_k, top_k_boundary, (w, c))
+        w, c = _when(use_p, lambda: top_p_boundary(w, c), (w, c))
+        return w, c, jnp.sum(jnp.where(live & _kept(key, ids, w, c), e, 0.0))
+
+    # --- truncation by bit searches over whole rows (kept sets beyond ``capacity``) -------------
+    def streamed_boundary(cur, m):
+        def id_cutoff(w, rank, in_set):
+            """Smallest c such that ``rank`` tokens of ``in_set`` with key w have an id < c."""
+            below = lambda c: count(cur, lambda key, ids: in_set(key, ids) & (key == w) & (ids < c))  # noqa: E731
+            return _search_bits(_id_bits(vocab), jnp.int32(0), lambda c: below(c) < rank) + 1
+
+        def top_k_boundary():
+            ge = lambda u: count(cur, lambda key, ids: key >= u) >= top_k  # noqa: E731
+            w_k = _search_bits(31, _search_start(ge), ge)
+            rank = top_k - count(cur, lambda key, ids: key > w_k)
+            ties = count(cur, lambda key, ids: key == w_k)
+            everything = lambda key, ids: key == key  # noqa: E731
+            cut = _when(ties > rank, lambda: id_cutoff(w_k, rank, everything), rank)
+            return w_k, lax.select(ties > rank, cut, jnp.int32(vocab))
+
+        def top_p_boundary(w, c):
+            in_k = lambda key, ids: _kept(key, ids, w, c)  # noqa: E731
+            target = top_p * mass(cur, m, in_k)
+            ge = lambda u: mass(cur, m, lambda key, ids: in_k(key, ids) & (key >= u)) >= target  # noqa: E731
+            w_p = _search_bits(31, _search_start(ge), ge)
+            mass_gt = mass(cur, m, lambda key, ids: in_k(key, ids) & (key > w_p))
+            tie = lambda key, ids: in_k(key, ids) & (key == w_p)  # noqa: E731
+            return _top_p_cut(w_p, target, mass_gt, jnp.exp(_key_value(w_p) - m), count(cur, tie),
+                              lambda n: id_cutoff(w_p, n, in_k), w, c, vocab)
+
+        w, c = jnp.int32(_INT_MIN), jnp.int32(vocab)
+        w, c = _when(use_k, top_k_boundary, (w, c))
+        w, c = _when(use_p, lambda: top_p_boundary(w, c), (w, c))
+        return w, c, mass(cur, m, lambda key, ids: _kept(key, ids, w, c))
+
+    def row_stats(cur):
+        """``(m, w, c, total, num)`` of row ``cur``: max, kept-set boundary, kept mass and the
+        number of candidates in the scratch (``-1``: the kept set is streamed from the row)."""
+        def greedy_stats():
+            m, arg = argmax_row(cur)
+            return m, _order_key(m), arg + 1, jnp.float32(1.0), jnp.int32(-1)
+
+        def sampled_stats():
+            m, total_all = softmax_row(cur)
+
+            def truncated():
+                def holds(count_F, mass_F):
+                    # the margin covers the rounding between this pass's sums and the searches'
+                    return jnp.where(use_k, count_F >= top_k, mass_F >= top_p * total_all * 1.0001)
+                found, floor, num = candidate_floor(cur, m, holds)
+
+                def from_candidates():
+                    compact(cur, floor)
+                    return (*candidate_boundary(m, total_all, num), num)
+
+                return _either(found, from_candidates,
+                               lambda: (*streamed_boundary(cur, m), jnp.int32(-1)))
+
+            untruncated = (jnp.int32(_INT_MIN), jnp.int32(vocab), total_all, jnp.int32(-1))
+            return (m, *_when(use_k | use_p, truncated, untruncated))
+
+        return _either(greedy, greedy_stats, sampled_stats)
+
+    # --- the walk -------------------------------------------------------------------------------
     def children(cur):
         return (parents == cur) & (node_ids > 0) & (node_ids < num_nodes)
 
     def step(t, carry):
         cur, active, depth, stats, accept, emitted = carry
         stats = _when(active, lambda: row_stats(cur), stats)
-        m, w, c, total = stats
+        m, w, c, total, _ = stats
         is_child = children(cur)
         z = plt.load(logits_ref.at[cur, tokens]).astype(jnp.float32) / divisor
         q = jnp.where(is_child & _kept(_order_key(z), tokens, w, c), jnp.exp(z - m) / total, 0.0)
@@ -222,10 +413,10 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
                 depth + took.astype(jnp.int32), stats, accept, emitted)
 
     depth_pad = accept_ref.shape[0]
-    no_stats = (jnp.float32(0.0), jnp.int32(0), jnp.int32(0), jnp.float32(1.0))
+    no_stats = (jnp.float32(0.0), jnp.int32(0), jnp.int32(0), jnp.float32(1.0), jnp.int32(-1))
     init = (jnp.int32(0), jnp.bool_(True), jnp.int32(0), no_stats,
             jnp.where(jnp.arange(depth_pad) == 0, 0, -1), jnp.full((depth_pad,), -1, jnp.int32))
-    cur, active, depth, (m, w, c, _), accept, emitted = lax.fori_loop(0, max_depth + 1, step, init)
+    cur, active, depth, (m, w, c, _, num), accept, emitted = lax.fori_loop(0, max_depth + 1, step, init)
 
     # A walk that stopped early rejected every child of its last node; one that reached the
     # depth limit examined none of them.
@@ -236,40 +427,52 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
     first_token = jnp.sum(jnp.where(node_ids == first, tokens, 0))
     plt.store(rejected_ref.at[jnp.where(rejected, tokens, first_token)], jnp.ones((nodes_pad,), jnp.int8),
               mask=jnp.broadcast_to(first < nodes_pad, (nodes_pad,)))
-    if not interpret:  # the marks are read back by other threads (no barrier when interpreted)
-        plt.debug_barrier()
+    barrier()
+    final_coin = final_coin_ref[()]
 
-    def residual(ids, valid, z, key, i, exclude):
-        keep = valid & _kept(key, ids, w, c)
-        if exclude:
-            marked = plt.load(rejected_ref.at[pl.ds(i * block_v, block_v)], mask=valid, other=0)
-            keep &= marked == 0
-        return jnp.where(keep, jnp.exp(z - m), 0.0)
+    # --- the final draw: from the residual (kept set minus rejected children), in id order -----
+    def candidate_draw():
+        live, ids, key, e = candidates(m, num)
+        kept = live & _kept(key, ids, w, c)
+        marked = plt.load(rejected_ref.at[jnp.where(live, ids, 0)])
+        residual = jnp.where(kept & (marked == 0), e, 0.0)
+        residual = jnp.where(jnp.sum(residual) > 0.0, residual, jnp.where(kept, e, 0.0))
+        cum = jnp.cumsum(residual)
+        crossing = jnp.min(jnp.where(live & (cum >= final_coin * jnp.sum(residual)), slots, capacity))
+        # The cumulative sum may round below the sum it is compared with.
+        pick = lax.select(crossing < capacity, crossing, jnp.max(jnp.where(residual > 0.0, slots, -1)))
+        return jnp.sum(jnp.where(slots == pick, ids, 0))
 
-    def draw(exclude):
-        r = lambda ids, valid, z, key, i: residual(ids, valid, z, key, i, exclude)  # noqa: E731
-        total = fold_row(cur, lambda s, *a: s + jnp.sum(r(*a)), jnp.float32(0.0))
-        target = final_coin_ref[()] * total
+    def streamed_draw(exclude):
+        """Block sums in one pass, then the crossing inside the block that holds it."""
+        def residual(ids, valid, z, i):
+            keep = valid & _kept(_order_key(z), ids, w, c)
+            if exclude:
+                marked = plt.load(rejected_ref.at[pl.ds(i * block_v, block_v)], mask=valid, other=0)
+                keep &= marked == 0
+            return jnp.where(keep, jnp.exp(z - m), 0.0)
 
-        def find_block(carry, *a):
-            running, block, base = carry
-            after = running + jnp.sum(r(*a))
-            first = (block < 0) & (after >= target)
-            return after, lax.select(first, a[-1], block), lax.select(first, running, base)
-
-        _, block, base = fold_row(cur, find_block, (jnp.float32(0.0), jnp.int32(-1), jnp.float32(0.0)))
-        ids = block * block_v + jnp.arange(block_v)
-        valid = ids < vocab
-        x = plt.load(logits_ref.at[cur, pl.ds(block * block_v, block_v)], mask=valid, other=0)
-        z = x.astype(jnp.float32) / divisor
-        res = r(ids, valid, z, _order_key(z), block)
+        block_ids = jnp.arange(blocks_pad)
+        sums = fold_row(cur, lambda s, ids, valid, z, i: jnp.where(
+            block_ids == i, jnp.sum(residual(ids, valid, z, i)), s), jnp.zeros((blocks_pad,), jnp.float32))
+        cum = jnp.cumsum(sums)
+        total = jnp.max(cum)
+        target = final_coin * total
+        block = jnp.min(jnp.where(cum >= target, block_ids, num_blocks - 1))
+        base = jnp.sum(jnp.where(block_ids < block, sums, 0.0))
+        ids, valid, z = load_block(cur, block * block_v, block_v)
+        res = residual(ids, valid, z, block)
         crossing = jnp.min(jnp.where(valid & (base + jnp.cumsum(res) >= target), ids, vocab))
-        # The in-block cumulative sum may round below the block sum that located the block.
         last_positive = jnp.max(jnp.where(res > 0.0, ids, -1))
         return total, lax.select(crossing < vocab, crossing, last_positive)
 
-    total, token = draw(exclude=True)
-    token = _when(total <= 0.0, lambda: draw(exclude=False)[1], token)
+    def sampled_draw():
+        def streamed():
+            total, token = streamed_draw(exclude=True)
+            return _when(total <= 0.0, lambda: streamed_draw(exclude=False)[1], token)
+        return _either(num >= 0, candidate_draw, streamed)
+
+    token = _either(greedy, lambda: c - 1, sampled_draw)
     accept_ref[...] = accept
     emitted_ref[...] = jnp.where(jnp.arange(depth_pad) == depth, token, emitted)
 
@@ -279,28 +482,32 @@ def _pow2_at_least(n: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
-                                              "interpret"))
+                                              "capacity", "interpret"))
 def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins_B, temperature_B,
-                        top_k_B, top_p_B, *, max_depth, block_v, num_warps, num_stages, interpret):
+                        top_k_B, top_p_B, *, max_depth, block_v, num_warps, num_stages, capacity,
+                        interpret):
     batch, num_nodes, vocab = logits_BNV.shape
     nodes_pad = _pow2_at_least(num_nodes)
     depth_pad = _pow2_at_least(max_depth + 2)
+    block_v = min(block_v, _pow2_at_least(vocab))
+    spare = min(block_v, max(16, block_v // _FLOORS))  # compaction's spare slots (one block)
     pad = lambda x, value: jnp.pad(x, ((0, 0), (0, nodes_pad - num_nodes)), constant_values=value)  # noqa: E731
-    kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=min(block_v, _pow2_at_least(vocab)),
+    kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, capacity=capacity,
                                num_nodes=num_nodes, max_depth=max_depth, interpret=interpret)
     scalar = pl.BlockSpec((None,), lambda b: (b,))
     per_node = pl.BlockSpec((None, nodes_pad), lambda b: (b, 0))
-    per_depth = pl.BlockSpec((None, depth_pad), lambda b: (b, 0))
-    accept_BD, emitted_BD, _ = pl.pallas_call(
+    row = lambda n: pl.BlockSpec((None, n), lambda b: (b, 0))  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((batch, vocab), jnp.int8),  # rejected-token marks
+                 jax.ShapeDtypeStruct((batch, capacity + spare), jnp.float32),  # candidates' z
+                 jax.ShapeDtypeStruct((batch, capacity + spare), jnp.int32),  # candidates' ids
+                 jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32),
+                 jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32)]
+    *_, accept_BD, emitted_BD = pl.pallas_call(
         kernel, grid=(batch,),
         in_specs=[scalar, scalar, scalar, scalar, per_node, per_node, per_node,
-                  pl.BlockSpec((None, num_nodes, vocab), lambda b: (b, 0, 0)),
-                  pl.BlockSpec((None, vocab), lambda b: (b, 0))],
-        out_specs=[per_depth, per_depth, pl.BlockSpec((None, vocab), lambda b: (b, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32),
-                   jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32),
-                   jax.ShapeDtypeStruct((batch, vocab), jnp.int8)],
-        input_output_aliases={8: 2},
+                  pl.BlockSpec((None, num_nodes, vocab), lambda b: (b, 0, 0)), row(vocab)],
+        out_specs=[row(x.shape[1]) for x in out_shape], out_shape=out_shape,
+        input_output_aliases={8: 0},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="tree_sample",
     )(temperature_B, top_k_B, top_p_B, final_coins_B, pad(tokens_BN, 0), pad(parents_BN, -1),

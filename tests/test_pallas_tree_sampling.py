@@ -62,6 +62,19 @@ def test_mixed_parameters_match_jnp_path(seed):
     assert_same(tree, logits, coins, final, *params(*MIXED), block_v=64)
 
 
+@pytest.mark.parametrize("capacity", [16, 64, 512])
+@pytest.mark.parametrize("seed", range(2))
+def test_truncation_by_candidates_and_by_passes(seed, capacity):
+    """A vocabulary larger than the candidate scratch: kept sets are found from candidate floors
+    (geometric, then refined) and searched in registers, or, when more tokens than ``capacity``
+    reach every usable floor, by bit searches over the whole row."""
+    rows = [(1.0, 5, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.5), (1.3, 0, 0.9), (0.6, 40, 0.8), (1.0, 0, 0.99),
+            (1.0, 300, 1.0), (0.3, 0, 0.95), (2.0, 1, 1.0), (1.0, 12, 0.2)]
+    tree, logits, coins, final = make_round(seed, batch=len(rows), depth=4, vocab=3000, budget=10,
+                                            logit_scale=4.0, agree=8.0)
+    assert_same(tree, logits, coins, final, *params(*rows), block_v=256, capacity=capacity)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 10])  # seed 10 failed before the fix
 def test_rejected_tokens_that_recur_elsewhere_in_the_tree(seed):
     """A tiny vocabulary makes a rejected child's token recur at other nodes; the final draw must
@@ -76,7 +89,8 @@ def test_ties_at_top_k_and_top_p_boundaries():
             (0.5, 3, 1.0), (1.0, 0, 0.9), (2.0, 40, 0.8), (0.0, 0, 1.0)]
     tree, logits, coins, final = make_round(11, batch=len(rows), depth=3, vocab=257, budget=9,
                                             logit_scale=1.0, tie_step=1.0)
-    assert_same(tree, logits, coins, final, *params(*rows), block_v=32)
+    for capacity in (16, 64, 2048):  # by passes, refined floors, everything a candidate
+        assert_same(tree, logits, coins, final, *params(*rows), block_v=32, capacity=capacity)
 
 
 def test_long_accepted_paths_and_depth_limit():
@@ -105,7 +119,8 @@ def test_auto_is_the_jnp_path_on_cpu_and_jits():
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(backend="cuda"), "backend"),
-                                           (dict(block_v=100), "block_v")])
+                                           (dict(block_v=100), "block_v"),
+                                           (dict(capacity=8), "capacity")])
 def test_invalid_arguments(kwargs, match):
     tree, logits, coins, final = make_round(0, batch=1, depth=2, vocab=50, budget=3)
     with pytest.raises(ValueError, match=match):
@@ -122,6 +137,7 @@ def test_lowers_to_valid_triton_ir(dtype):
     args = [s((batch, nodes), jnp.int32), s((batch, nodes), jnp.int32), s((batch, nodes, vocab), dtype),
             s((batch, nodes), jnp.float32), s((batch,), jnp.float32), s((batch,), jnp.float32),
             s((batch,), jnp.int32), s((batch,), jnp.float32)]
-    fn = lambda *a: _tree_sample_pallas(*a, max_depth=8, block_v=4096, num_warps=8, interpret=False)  # noqa: E731
+    fn = lambda *a: _tree_sample_pallas(*a, max_depth=8, block_v=32768, num_warps=16, num_stages=1,  # noqa: E731
+                                        capacity=2048, interpret=False)
     [module] = verified_triton_modules(fn, *args)
     assert "tt.scan" in module
