@@ -53,7 +53,7 @@ class RoundSpec:
     depth: int  # L, the drafter's block size - 1 (0 for AR)
     tap_layers: tuple[int, ...]
     attention_impl: str = "xla"  # "xla" | "pallas" | "auto" (models.layers.attention_impl_fn)
-    sampler_impl: str = "xla"  # "xla" (verify_from_coins) | "pallas" (pallas_kernels.tree_sample)
+    sampler_impl: str = "xla"  # "xla" (verify_from_coins) | "pallas" (pallas_kernels.tree_sample) | "auto" (_sampler)
 
     @property
     def num_nodes(self) -> int:
@@ -148,10 +148,14 @@ class GenerateResult:
         }
 
 
-def _sampler(impl: str):
-    """Step 5 behind the ``sampler_impl`` switch (``"interpret"``: the Pallas kernel interpreted, for
-    tests); all return the same `VerifyResult`."""
-    if impl == "xla":
+def _sampler(impl: str, mesh: Mesh | None = None):
+    """Step 5 behind the ``sampler_impl`` switch; all return the same `VerifyResult`.
+
+    ``"auto"``: the fused Pallas sampler on a CUDA GPU without a mesh (under a mesh XLA partitions the
+    jnp sampler; the kernel is not wrapped for shard_map), the jnp sampler elsewhere; ``"interpret"``:
+    the Pallas kernel interpreted, for tests.
+    """
+    if impl == "xla" or (impl == "auto" and mesh is not None):
         return verify_from_coins
     from pallas_kernels.tree_sampling import tree_sample
 
@@ -216,8 +220,8 @@ def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sa
     logits = sharding.gather_vocab(logits, mesh)
     keys = request_keys(key, request_ids, state.round)
     coins, final_coins = coins_from_keys(keys, spec.num_nodes)
-    res = _sampler(spec.sampler_impl)(tree, logits, coins, final_coins, sampling.temperature, sampling.top_k,
-                                      sampling.top_p)
+    res = _sampler(spec.sampler_impl, mesh)(tree, logits, coins, final_coins, sampling.temperature,
+                                            sampling.top_k, sampling.top_p)
     num_keep = jnp.where(live, res.num_accepted + 1, 0)
     target_cache = commit(target_cache, res.accept_index, num_keep)
     if spec.method != "ar":
@@ -298,12 +302,11 @@ def _pad_prompts(prompt_ids, vocab: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _resolve_impls(attention_impl: str, sampler_impl: str) -> tuple[str, str]:
-    """Validate the kernel switches. ``sampler_impl="auto"`` means the jnp sampler: the fused Pallas
-    sampler is not yet validated on any GPU (BENCHMARKS.md), so it runs only when asked for."""
+    """Validate the kernel switches (see `attention_fn` and `_sampler`)."""
     attention_fn(attention_impl)
     if sampler_impl not in SAMPLER_IMPLS:
         raise ValueError(f"sampler_impl must be one of {SAMPLER_IMPLS}, got {sampler_impl!r}")
-    return attention_impl, "xla" if sampler_impl == "auto" else sampler_impl
+    return attention_impl, sampler_impl
 
 
 def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int, topk_cap: int | None,
@@ -372,8 +375,8 @@ def generate(
       attention_impl: ``"auto" | "xla" | "pallas" | "interpret"``: the Pallas tree-attention kernel on a
         supported GPU (auto; per device inside ``shard_map`` with a ``mesh``), the XLA path, or the kernel
         run by the Pallas interpreter (slow, for tests).
-      sampler_impl: ``"auto" | "xla" | "pallas"``: the fused Pallas tree sampler when asked for
-        (``"pallas"``), the jnp sampler otherwise (see `_resolve_impls`).
+      sampler_impl: ``"auto" | "xla" | "pallas"``: the fused Pallas tree sampler on a supported GPU
+        without a mesh (auto), the jnp sampler (elsewhere, or ``"xla"``), see `_sampler`.
       on_round: called after each round with ``(tokens [B, *], num_generated [B], stats)`` (host arrays),
         e.g. to stream text.
       mesh: a ``("dp", "tp")`` device mesh (`sharding.make_mesh`): the target runs tensor-parallel over

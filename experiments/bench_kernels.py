@@ -291,7 +291,7 @@ def main(argv=None):
                              "(Mosaic GPU kernel, Hopper), xla, dpa (jax.nn.dot_product_attention)")
     parser.add_argument("--sampling-params", default=",".join(SAMPLING_PARAMS),
                         help=f"sampling parameter sets, from {list(SAMPLING_PARAMS)}")
-    parser.add_argument("--fused-configs", default="4096:8:1",
+    parser.add_argument("--fused-configs", default="32768:8:1",
                         help="fused sampler launch configs block_v:num_warps:num_stages, comma-separated")
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
                         help="HBM bandwidth for the fraction columns (H200: 4.8 TB/s)")

@@ -51,7 +51,7 @@ _LN2 = 0.6931471805599453
 
 
 def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, temperature_B, top_k_B,
-                top_p_B, *, backend="auto", block_v=32768, num_warps=16, num_stages=1,
+                top_p_B, *, backend="auto", block_v=32768, num_warps=8, num_stages=1,
                 capacity=2048) -> VerifyResult:
     """Verify each request's tree against the target logits (greedy and sampled requests mixed).
 
