@@ -6,7 +6,8 @@
 Both take ``backend="auto" | "triton" | "interpret" | "xla"``; ``auto`` uses the Triton kernel
 on a CUDA GPU and the XLA path elsewhere. ``tree_attention`` also has ``"mosaic"``, a Mosaic GPU
 (Hopper wgmma) kernel (``tree_attention_mgpu``), and ``"mosaic_interpret"``, that kernel in the
-Mosaic GPU interpreter; ``auto`` does not pick it until it is validated on a GPU.
+Mosaic GPU interpreter; ``auto`` does not pick it (on an H200 it equals the reference but is
+slower than the Triton kernel at most shapes, BENCHMARKS.md).
 """
 
 from pallas_kernels.configs import TreeAttentionConfig, tree_attention_config

@@ -17,7 +17,7 @@ Ampere/Ada (``(8, x)``) get conservative defaults that also serve unknown GPUs.
 
 ``MOSAIC_TREE_ATTENTION_CONFIGS`` holds the Mosaic GPU kernel's (``tree_attention_mgpu``,
 Hopper only): 64-row, 64-key blocks (one warpgroup, one wgmma tile), ``num_stages`` key/value
-buffers, the Triton entry's split-K policy. Not yet measured on a GPU.
+buffers, the Triton entry's split-K policy. Checked for equality and timed on an H200, not tuned.
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, backen
       scale: softmax scale (a Python float).
       backend: ``"triton"`` (Pallas Triton kernel on a CUDA GPU), ``"interpret"`` (the same
         kernel interpreted, any platform), ``"mosaic"`` (the Mosaic GPU kernel of
-        ``tree_attention_mgpu``, Hopper only, bf16/fp16, head_dim 64/128; not yet validated on
-        a GPU, so ``"auto"`` never picks it), ``"mosaic_interpret"`` (that kernel in the Mosaic
-        GPU interpreter, CPU), ``"xla"`` (``tree_attention_reference``) or ``"auto"`` (triton
+        ``tree_attention_mgpu``, Hopper only, bf16/fp16, head_dim 64/128; slower than the Triton
+        kernel on an H200 at most shapes, so ``"auto"`` never picks it), ``"mosaic_interpret"``
+        (that kernel in the Mosaic GPU interpreter, CPU), ``"xla"`` (``tree_attention_reference``) or ``"auto"`` (triton
         on a CUDA GPU when the shapes are supported, else xla).
       config: tiling; default from ``configs.tree_attention_config`` for the local GPU (for
         the mosaic backends, ``configs.MOSAIC_TREE_ATTENTION_CONFIGS``).
