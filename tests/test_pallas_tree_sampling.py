@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_from_coins
@@ -81,6 +83,22 @@ def test_rejected_tokens_that_recur_elsewhere_in_the_tree(seed):
     still remove it (a masked scatter of duplicate ids once lost the mark)."""
     tree, logits, coins, final = make_round(seed, batch=4, depth=4, vocab=8, budget=6, logit_scale=2.0)
     assert_same(tree, logits, coins, final, *params((1.0, 3, 1.0), (1.0, 0, 1.0), (0.8, 0, 0.7), (1.0, 2, 1.0)))
+
+
+request_params = st.tuples(st.sampled_from([0.0, 0.4, 1.0, 1.7]), st.sampled_from([0, 1, 3, 17, 60]),
+                           st.sampled_from([1.0, 0.95, 0.6, 0.2]))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), vocab=st.integers(17, 700), block_v=st.sampled_from([16, 64, 256]),
+       capacity=st.sampled_from([16, 32, 128, 1024]), tie_step=st.sampled_from([None, 0.5]),
+       rows=st.lists(request_params, min_size=1, max_size=4))
+def test_random_shapes_and_parameters_match_jnp_path(seed, vocab, block_v, capacity, tie_step, rows):
+    """Any vocabulary, block and candidate capacity, with and without ties: the same walk and
+    tokens as the jnp path (candidates in registers, refined floors or bit-search passes)."""
+    tree, logits, coins, final = make_round(seed, batch=len(rows), depth=3, vocab=vocab, budget=6,
+                                            logit_scale=3.0, tie_step=tie_step, agree=4.0)
+    assert_same(tree, logits, coins, final, *params(*rows), block_v=block_v, capacity=capacity)
 
 
 def test_ties_at_top_k_and_top_p_boundaries():
