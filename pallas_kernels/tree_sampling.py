@@ -180,7 +180,7 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
                    emitted_ref, *, vocab, block_v, capacity, num_nodes, max_depth, interpret):
     """Program b: the whole walk and final draw of request b."""
     nodes_pad = tokens_ref.shape[0]
-    block_c = min(block_v, max(16, block_v // _FLOORS))
+    block_c = _candidate_block(block_v)
     num_blocks = pl.cdiv(vocab, block_v)
     blocks_pad = _pow2_at_least(num_blocks)
     temperature = temperature_ref[()]
@@ -481,6 +481,12 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
 
+def _candidate_block(block_v: int) -> int:
+    """Vocabulary block of the floor and compaction passes: their ``[floors, block]`` tensors
+    hold as many entries as one ``block_v`` block."""
+    return min(block_v, max(16, block_v // _FLOORS))
+
+
 @functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
                                               "capacity", "interpret"))
 def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins_B, temperature_B,
@@ -490,7 +496,7 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     nodes_pad = _pow2_at_least(num_nodes)
     depth_pad = _pow2_at_least(max_depth + 2)
     block_v = min(block_v, _pow2_at_least(vocab))
-    spare = min(block_v, max(16, block_v // _FLOORS))  # compaction's spare slots (one block)
+    spare = _candidate_block(block_v)  # compaction's spare slots: one block
     pad = lambda x, value: jnp.pad(x, ((0, 0), (0, nodes_pad - num_nodes)), constant_values=value)  # noqa: E731
     kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, capacity=capacity,
                                num_nodes=num_nodes, max_depth=max_depth, interpret=interpret)
