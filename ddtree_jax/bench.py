@@ -6,7 +6,9 @@ DDTree round per budget, and each part of the round run alone under jit on the s
 forward, tree build + encoding, verify forward, verification/sampling, commit). Caches are
 zero-filled to the given context length: a round's cost does not depend on the cached values.
 ``--mesh-check`` also times the round under a one-device ``("dp", "tp")`` mesh next to the same
-round without one (both on the XLA attention path, which XLA partitions itself).
+round without one (both on the XLA attention path, which XLA partitions itself). ``--profile``
+traces the decode step and the first budget's round and sums their device ops by kind (matmuls,
+the Pallas kernels, data movement, the rest; `ddtree_jax.profiling`).
 Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree on the embedded pair, with the
 speedup over AR measured in the same process.
 
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import engine, sharding
+from ddtree_jax import engine, profiling, sharding
 from ddtree_jax.models import (
     DFlashConfig, KVCache, Qwen3Config, commit, drafter_forward, init_cache, init_drafter, init_target,
     target_forward,
@@ -122,6 +124,12 @@ def time_round(target, drafter, spec, state, sampling, repeats, mesh=None) -> fl
     With a ``mesh``, ``target`` and ``drafter`` must already be placed on it (`shard_models`); the
     state is placed here.
     """
+    return median_ms(round_runner(target, drafter, spec, state, sampling, mesh), repeats)
+
+
+def round_runner(target, drafter, spec, state, sampling, mesh=None):
+    """A function that runs the engine's round once per call, threading the state through (see
+    `time_round`)."""
     batch = state.root.shape[0]
     if mesh is not None:
         state = jax.device_put(state, sharding.state_shardings(state, mesh))
@@ -134,7 +142,7 @@ def time_round(target, drafter, spec, state, sampling, repeats, mesh=None) -> fl
         box[0], out = step(target, drafter if spec.method != "ar" else None, box[0], *args)
         return out
 
-    return median_ms(run, repeats)
+    return run
 
 
 def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, float]:
@@ -213,6 +221,13 @@ def bench_shapes(args, emit) -> None:
                            decode_roofline_ms=decode_floor, round_floor_ms=round_floor, **parts)
                 row["round_over_decode"] = round_ms / decode_ms  # = the break-even tau
                 row["core_share"] = (parts["tree_ms"] + parts["sampling_ms"]) / round_ms
+                if args.profile and budget == args.budgets[0]:
+                    for name, s in (("decode", ar), ("round", spec)):
+                        st = make_state(target, drafter, s, batch, context)
+                        row[f"profile_{name}"] = profiling.device_op_times(
+                            round_runner(target, drafter, s, st, sampling), calls=3)
+                        print(f"  profile of the {name} (B={budget}):\n"
+                              + profiling.format_summary(row[f"profile_{name}"]), flush=True)
                 if args.mesh_check and budget == args.budgets[0]:
                     xla = engine.make_spec(target, drafter, "ddtree", budget, args.topk_cap or None, "xla",
                                            args.sampler_impl)
@@ -278,6 +293,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto")
     p.add_argument("--mesh-check", action="store_true",
                    help="also time the first budget's round under a one-device mesh vs without (XLA attention)")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace the decode step and the first budget's round and sum their device ops")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the roofline, TB/s")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--embedded", action="store_true", help="also run part 2 on the embedded pair")

@@ -12,7 +12,7 @@ PART_KEYS = {"drafter_ms", "tree_ms", "verify_forward_ms", "sampling_ms", "commi
 def test_bench_tiny_shapes_and_embedded(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
-            "--mesh-check", "--embedded", "--embedded-batches", "1", "--new-tokens", "6", "--out", str(out)]
+            "--mesh-check", "--profile", "--embedded", "--embedded-batches", "1", "--new-tokens", "6", "--out", str(out)]
     assert cli.main(argv) == 0
     result = json.loads(out.read_text())
     rows = result["shapes"]
@@ -21,6 +21,8 @@ def test_bench_tiny_shapes_and_embedded(tmp_path):
         assert PART_KEYS <= set(row) and all(row[k] > 0 for k in PART_KEYS | {"round_ms", "decode_ms"})
         assert row["round_over_decode"] == pytest.approx(row["round_ms"] / row["decode_ms"])
     assert rows[0]["round_mesh1_ms"] > 0 and rows[0]["round_xla_ms"] > 0 and "round_mesh1_ms" not in rows[1]
+    # the CPU records no device plane: the profiles are there and empty
+    assert rows[0]["profile_round"] == rows[0]["profile_decode"] == {} and "profile_round" not in rows[1]
     embedded = result["embedded"]
     assert [(r["temperature"], r["method"]) for r in embedded] == [
         (t, m) for t in (0.0, 1.0) for m in ("ar", "chain", "ddtree")]
