@@ -201,24 +201,26 @@ def format_attention_row(row, names):
     return " | ".join(cells)
 
 
-def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0, noise=1.0):
-    """A drafted tree of ``budget`` nodes, float32 target logits, coins and parameters.
+def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0, noise=1.0, dtype=jnp.float32):
+    """A drafted tree of ``budget`` nodes, target logits in ``dtype``, coins and parameters.
 
     The target's logits after a node at depth d are the draft logits of depth d + 1 plus Gaussian
     ``noise``: a target that mostly agrees with its drafter, so walks go deep (with independent
-    random logits every walk would stop at the root).
+    random logits every walk would stop at the root). ``params``: ``(temperature, top_k, top_p)``
+    rows, cycled over the batch.
     """
     keys = jax.random.split(jax.random.key(seed), 5)
     # float32: a bfloat16 normal has a truncated, quantised tail (ties at the top, flat shallow trees)
     draft = 10.0 * jax.random.normal(keys[0], (batch, DRAFT_DEPTH, vocab), jnp.float32)  # peaked: deep trees
     tree = build_tree(draft, jnp.zeros((batch,), jnp.int32), budget=budget)
     depth = jnp.minimum(tree_positions(tree, jnp.zeros((batch,), jnp.int32)), DRAFT_DEPTH - 1)
-    logits = draft[jnp.arange(batch)[:, None], depth].astype(jnp.float32)
-    logits = logits + noise * jax.random.normal(keys[1], logits.shape, jnp.float32)
+    logits = draft[jnp.arange(batch)[:, None], depth]
+    logits = (logits + noise * jax.random.normal(keys[1], logits.shape, jnp.float32)).astype(dtype)
     coins = jax.random.uniform(keys[2], (batch, budget + 1), minval=1e-6, maxval=1.0)
     final = jax.random.uniform(keys[3], (batch,), minval=1e-6, maxval=1.0)
-    t, k, p = (jnp.full((batch,), x) for x in params)
-    return tree, logits, coins, final, t.astype(jnp.float32), k.astype(jnp.int32), p.astype(jnp.float32)
+    t, k, p = np.resize(np.asarray(params, np.float64), (batch, 3)).T
+    params = jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32)
+    return tree, logits, coins, final, *params
 
 
 def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report):
@@ -230,7 +232,7 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report):
              for c in fused_configs}
     impls["jnp"] = verify_from_coins
     floor_s = QWEN3_8B_WEIGHT_BYTES / (peak_gbs * 1e9)
-    make = lambda budget, batch, pname: sampling_inputs(batch, budget, SAMPLING_PARAMS[pname], vocab)  # noqa: E731
+    make = lambda budget, batch, pname: sampling_inputs(batch, budget, [SAMPLING_PARAMS[pname]], vocab)  # noqa: E731
     jobs = {(case, name): (fn, jax.eval_shape(lambda c=case: make(*c)))
             for case in cases for name, fn in impls.items()}
     compiled = compile_all(jobs)

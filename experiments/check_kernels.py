@@ -1,11 +1,17 @@
 """Equality of the compiled Pallas kernels with the jnp references on a GPU, over a grid of shapes.
 
-The CPU tests run the same kernels in interpret mode; this script runs the compiled kernels
-(Triton, and with ``--backends triton,mosaic`` also the Mosaic GPU kernel, Hopper only) on the
-device, over shapes too large for the CPU: contexts up to 64k, up to 512 tree nodes, GQA groups
-1/4/8, head_dim 64/128, bf16 and fp32, batch up to 32, ragged lengths and padding nodes. The
-Mosaic GPU kernel skips the fp32 cases (it takes bf16/fp16 only). The reference runs with
-float32 matmuls at full precision.
+The CPU tests run the same kernels in interpret mode; this script runs the compiled kernels on the
+device, over shapes too large for the CPU.
+
+- ``attention``: the Triton kernel (and with ``--backends triton,mosaic`` the Mosaic GPU kernel,
+  Hopper only) against the reference: contexts up to 64k, up to 512 tree nodes, GQA groups 1/4/8,
+  head_dim 64/128, bf16 and fp32, batch up to 32, ragged lengths and padding nodes. The Mosaic GPU
+  kernel skips the fp32 cases (it takes bf16/fp16 only). The reference runs with float32 matmuls
+  at full precision.
+- ``sampling``: the fused tree sampler against the jnp path (``verify_from_coins``) at V = 151,936:
+  greedy and sampled requests mixed in a batch, float32 and bf16 logits, kept sets searched among
+  candidates and, with top-k beyond the candidate capacity, by passes over the row; accepted paths
+  and tokens must be identical.
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
 """
@@ -21,9 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.verify import verify_from_coins
+from experiments.bench_kernels import compare_results, sampling_inputs
 from pallas_kernels.reference import tree_attention_reference
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
+from pallas_kernels.tree_sampling import tree_sample
 
 # (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
 ATTENTION_CASES = [
@@ -36,6 +45,38 @@ ATTENTION_CASES = [
     (1, 7, 32, 8, 128, [65536], 0, "bfloat16"),
     (16, 64, 32, 8, 128, [1024], 0, "bfloat16"),
 ]
+
+
+# (temperature, top_k, top_p) per request, cycled over the batch: greedy, plain, top-k, top-p,
+# both, top-k 1, and a top-k past the default 2,048 candidates (searched by passes over the row)
+MIXED_PARAMS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0), (1.0, 0, 0.9), (0.6, 20, 0.95),
+                (1.0, 1, 1.0), (1.2, 5000, 1.0), (0.8, 0, 0.5)]
+# (batch, budget, vocab, logits dtype, candidate capacity)
+SAMPLING_CASES = [
+    (8, 64, 151_936, "float32", 2048),
+    (8, 256, 151_936, "bfloat16", 2048),
+    (16, 16, 151_936, "float32", 64),
+]
+
+
+def check_sampling(backend="triton", cases=SAMPLING_CASES):
+    records = []
+    for seed, (batch, budget, vocab, dtype, capacity) in enumerate(cases):
+        args = sampling_inputs(batch, budget, MIXED_PARAMS, vocab, seed=seed, dtype=jnp.dtype(dtype))
+        record = dict(part="sampling", backend=backend, batch=batch, budget=budget, vocab=vocab, dtype=dtype,
+                      capacity=capacity)
+        start = time.perf_counter()
+        try:
+            out = tree_sample(*args, backend=backend, capacity=capacity)
+            record.update(compare_results(out, verify_from_coins(*args)),
+                          mean_accepted=float(np.mean(np.asarray(out.num_accepted))))
+            record["ok"] = record["identical"]
+        except Exception as err:  # noqa: BLE001 (recorded as a failed case)
+            record.update(ok=False, error=f"{type(err).__name__}: {str(err)[:2000]}")
+        record["seconds"] = time.perf_counter() - start
+        print(record, flush=True)
+        records.append(record)
+    return records
 
 
 def random_tree_mask(rng, nodes, real):
@@ -99,12 +140,17 @@ def main(argv=None):
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--backends", default="triton",
                         help="comma-separated tree-attention backends to check: triton, mosaic")
+    parser.add_argument("--parts", default="attention,sampling", help="attention and/or sampling")
     args = parser.parse_args(argv)
     backends = tuple(args.backends.split(","))
     if not set(backends) <= {"triton", "mosaic"}:
         raise ValueError(f"--backends must list triton and/or mosaic, got {args.backends!r}")
+    parts = args.parts.split(",")
+    if not set(parts) <= {"attention", "sampling"}:
+        raise ValueError(f"--parts must list attention and/or sampling, got {args.parts!r}")
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-    results = dict(attention=check_attention(backends))
+    checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling)
+    results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))

@@ -12,7 +12,8 @@ PART_KEYS = {"drafter_ms", "tree_ms", "verify_forward_ms", "sampling_ms", "commi
 def test_bench_tiny_shapes_and_embedded(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
-            "--mesh-check", "--profile", "--embedded", "--embedded-batches", "1", "--new-tokens", "6", "--out", str(out)]
+            "--mesh-check", "--profile", "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
+            "--out", str(out)]
     assert cli.main(argv) == 0
     result = json.loads(out.read_text())
     rows = result["shapes"]

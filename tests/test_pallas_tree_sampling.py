@@ -1,5 +1,8 @@
 """Fused tree sampling (interpret mode on CPU) vs the jnp path ``verify_from_coins``."""
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,3 +162,13 @@ def test_lowers_to_valid_triton_ir(dtype):
                                         capacity=2048, interpret=False)
     [module] = verified_triton_modules(fn, *args)
     assert "tt.scan" in module
+
+
+def test_gpu_equality_script_sampling_checks_run_interpreted():
+    """`experiments/check_kernels.py`'s sampling part (mixed parameters, candidate and pass searches,
+    bf16 logits) on small vocabularies through the interpreter."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.check_kernels import check_sampling
+
+    records = check_sampling("interpret", cases=[(8, 8, 700, "float32", 16), (8, 8, 700, "bfloat16", 2048)])
+    assert [r["ok"] for r in records] == [True, True], records
