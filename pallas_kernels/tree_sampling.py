@@ -78,6 +78,10 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     if capacity < 16 or capacity & (capacity - 1):
         raise ValueError(f"capacity must be a power of two >= 16, got {capacity}")
+    if num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     batch, num_nodes = tree.tokens.shape
     if target_logits_BNV.ndim != 3 or target_logits_BNV.shape[:2] != (batch, num_nodes):
         raise ValueError(f"target_logits must be [B={batch}, N={num_nodes}, V], got "

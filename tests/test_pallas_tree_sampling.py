@@ -141,7 +141,8 @@ def test_auto_is_the_jnp_path_on_cpu_and_jits():
 
 @pytest.mark.parametrize("kwargs, match", [(dict(backend="cuda"), "backend"),
                                            (dict(block_v=100), "block_v"),
-                                           (dict(capacity=8), "capacity")])
+                                           (dict(capacity=8), "capacity"), (dict(num_warps=6), "num_warps"),
+                                           (dict(num_stages=0), "num_stages")])
 def test_invalid_arguments(kwargs, match):
     tree, logits, coins, final = make_round(0, batch=1, depth=2, vocab=50, budget=3)
     with pytest.raises(ValueError, match=match):
