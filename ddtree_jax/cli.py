@@ -37,7 +37,8 @@ def _add_generate(sub) -> None:
                    help="tree-verify attention: the Pallas kernel on a supported GPU (auto; per device "
                         "with --tp/--dp) or XLA")
     p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto",
-                   help="tree sampling: the jnp path (auto) or the fused Pallas kernel")
+                   help="tree sampling: the fused Pallas kernel on a supported GPU without --tp/--dp (auto) "
+                        "or the jnp path")
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET, help="HF-format target directory")
     p.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER, help="HF-format DFlash drafter directory")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",

@@ -151,6 +151,12 @@ def _id_bits(vocab: int) -> int:
     return max(vocab - 1, 1).bit_length()
 
 
+def _top_k_cut(w_k, rank, ties, id_cutoff, vocab):
+    """Top-k boundary at key ``w_k``: of its ``ties``, keep the first ``rank`` in id order;
+    ``id_cutoff(n)`` is the id just past the n-th tie."""
+    return w_k, _when(ties > rank, lambda: id_cutoff(rank), jnp.int32(vocab))
+
+
 def _top_p_cut(w_p, target, mass_gt, e_w, ties, id_cutoff, w, c, vocab):
     """Top-p boundary at key ``w_p``: of its ``ties``, keep the fewest (in id order) whose mass
     reaches ``target`` past ``mass_gt``; ``id_cutoff(n)`` is the id just past the n-th tie."""
@@ -316,8 +322,8 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
             w_k = _radix_search(ge)
             rank = top_k - jnp.sum((live & (key > w_k)).astype(jnp.int32))
             tie = live & (key == w_k)
-            ties = jnp.sum(tie.astype(jnp.int32))
-            return w_k, lax.select(ties > rank, _nth_id(tie, rank, ids, vocab) + 1, jnp.int32(vocab))
+            return _top_k_cut(w_k, rank, jnp.sum(tie.astype(jnp.int32)),
+                              lambda n: _nth_id(tie, n, ids, vocab) + 1, vocab)
 
         def top_p_boundary(w, c):
             in_k = live & _kept(key, ids, w, c)
@@ -346,10 +352,9 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
             ge = lambda u: count(cur, lambda key, ids: key >= u) >= top_k  # noqa: E731
             w_k = _search_bits(31, _search_start(ge), ge)
             rank = top_k - count(cur, lambda key, ids: key > w_k)
-            ties = count(cur, lambda key, ids: key == w_k)
             everything = lambda key, ids: key == key  # noqa: E731
-            cut = _when(ties > rank, lambda: id_cutoff(w_k, rank, everything), rank)
-            return w_k, lax.select(ties > rank, cut, jnp.int32(vocab))
+            return _top_k_cut(w_k, rank, count(cur, lambda key, ids: key == w_k),
+                              lambda n: id_cutoff(w_k, n, everything), vocab)
 
         def top_p_boundary(w, c):
             in_k = lambda key, ids: _kept(key, ids, w, c)  # noqa: E731
