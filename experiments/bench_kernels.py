@@ -219,8 +219,8 @@ def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0, noise=1.0, dtype
     coins = jax.random.uniform(keys[2], (batch, budget + 1), minval=1e-6, maxval=1.0)
     final = jax.random.uniform(keys[3], (batch,), minval=1e-6, maxval=1.0)
     t, k, p = np.resize(np.asarray(params, np.float64), (batch, 3)).T
-    params = jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32)
-    return tree, logits, coins, final, *params
+    return tree, logits, coins, final, jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), \
+        jnp.asarray(p, jnp.float32)
 
 
 def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report):

@@ -65,18 +65,27 @@ def check_sampling(backend="triton", cases=SAMPLING_CASES):
         args = sampling_inputs(batch, budget, MIXED_PARAMS, vocab, seed=seed, dtype=jnp.dtype(dtype))
         record = dict(part="sampling", backend=backend, batch=batch, budget=budget, vocab=vocab, dtype=dtype,
                       capacity=capacity)
-        start = time.perf_counter()
-        try:
+
+        def check(args=args, capacity=capacity):
             out = tree_sample(*args, backend=backend, capacity=capacity)
-            record.update(compare_results(out, verify_from_coins(*args)),
-                          mean_accepted=float(np.mean(np.asarray(out.num_accepted))))
-            record["ok"] = record["identical"]
-        except Exception as err:  # noqa: BLE001 (recorded as a failed case)
-            record.update(ok=False, error=f"{type(err).__name__}: {str(err)[:2000]}")
-        record["seconds"] = time.perf_counter() - start
-        print(record, flush=True)
-        records.append(record)
+            same = compare_results(out, verify_from_coins(*args))
+            return dict(same, ok=same["identical"], mean_accepted=float(np.mean(np.asarray(out.num_accepted))))
+
+        records.append(_run_case(record, check))
     return records
+
+
+def _run_case(record, check):
+    """``record`` updated with ``check()`` (a dict with ``ok``) or with the error it raised; timed and
+    printed."""
+    start = time.perf_counter()
+    try:
+        record.update(check())
+    except Exception as err:  # noqa: BLE001 (recorded as a failed case)
+        record.update(ok=False, error=f"{type(err).__name__}: {str(err)[:2000]}")
+    record["seconds"] = time.perf_counter() - start
+    print(record, flush=True)
+    return record
 
 
 def random_tree_mask(rng, nodes, real):
@@ -121,18 +130,13 @@ def check_attention(backends=("triton",)):
 
 
 def _check_attention_backend(record, args, scale, ref, backend):
-    start = time.perf_counter()
-    try:
+    def check():
         out = np.asarray(tree_attention(*args, scale=scale, backend=backend), np.float32)
-    except Exception as err:  # noqa: BLE001 (recorded as a failed case)
-        record.update(ok=False, error=f"{type(err).__name__}: {str(err)[:2000]}")
-    else:
         err = float(np.abs(out - ref).max())
         tol = 1e-4 if record["dtype"] == "float32" else 3e-2
-        record.update(max_abs_err=err, tol=tol, ok=bool(err <= tol and np.isfinite(out).all()))
-    record["seconds"] = time.perf_counter() - start
-    print(record, flush=True)
-    return record
+        return dict(max_abs_err=err, tol=tol, ok=bool(err <= tol and np.isfinite(out).all()))
+
+    return _run_case(record, check)
 
 
 def main(argv=None):
