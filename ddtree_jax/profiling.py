@@ -33,12 +33,18 @@ def op_kind(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in lower for k in keys)), "other")
 
 
+def _check_calls(calls) -> None:
+    if not (isinstance(calls, int) and calls >= 1):
+        raise ValueError(f"calls must be an int >= 1, got {calls!r}")
+
+
 def summarize(events, calls: int, top: int = 15) -> dict:
     """Per line: ms per call, the share of each kind and the ``top`` ops by time.
 
     Args:
       events: ``(line, name, duration_ns)`` triples of ``calls`` traced calls.
     """
+    _check_calls(calls)
     per_line = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
     for line, name, duration_ns in events:
         entry = per_line[line][name]
@@ -74,6 +80,7 @@ def device_op_times(fn, calls: int = 3, top: int = 15) -> dict:
     ``fn()`` must return arrays to block on. Returns ``{}`` where the backend records no device
     plane (the CPU).
     """
+    _check_calls(calls)
     jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):

@@ -31,6 +31,14 @@ def test_summarize_sums_per_line_and_call():
     assert "[Stream #1] 4.00 ms per call: matmul 88%, other 12%" in text and "gemm_a" in text
 
 
+@pytest.mark.parametrize("calls", [0, 1.5])
+def test_calls_must_be_a_positive_int(calls):
+    with pytest.raises(ValueError, match="calls must be an int >= 1"):
+        profiling.summarize([], calls)
+    with pytest.raises(ValueError, match="calls must be an int >= 1"):
+        profiling.device_op_times(lambda: jnp.ones(1), calls)
+
+
 def test_device_op_times_traces_without_a_device_plane_on_cpu():
     x = jnp.ones((64, 64))
     f = jax.jit(lambda x: jnp.sin(x) @ x)
