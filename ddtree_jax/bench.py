@@ -224,8 +224,13 @@ def bench_shapes(args, emit) -> None:
                 if args.profile and budget == args.budgets[0]:
                     for name, s in (("decode", ar), ("round", spec)):
                         st = make_state(target, drafter, s, batch, context)
-                        row[f"profile_{name}"] = profiling.device_op_times(
-                            round_runner(target, drafter, s, st, sampling), calls=3)
+                        try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
+                            row[f"profile_{name}"] = profiling.device_op_times(
+                                round_runner(target, drafter, s, st, sampling), calls=3)
+                        except Exception as e:  # noqa: BLE001
+                            row[f"profile_{name}_error"] = repr(e)
+                            print(f"  profile of the {name} failed: {e!r}", flush=True)
+                            continue
                         print(f"  profile of the {name} (B={budget}):\n"
                               + profiling.format_summary(row[f"profile_{name}"]), flush=True)
                 if args.mesh_check and budget == args.budgets[0]:
