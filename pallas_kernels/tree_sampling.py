@@ -3,25 +3,28 @@
 Same result as ``ddtree_jax.verify.verify_from_coins`` (the jnp path) for the same coins: the
 walk of DESIGN.md §2 (sgl-kernel "target-only" tree rejection sampling, thresholds 1), where the
 processed target row (temperature, then top-k, then top-p, see ``ddtree_jax.sampling``) is
-computed from the logits only for the nodes the walk visits, by streaming the vocabulary in
-blocks, never materialising probabilities and never sorting. Per visited row:
+never materialised and never sorted.
 
-- greedy: one pass for the argmax;
-- sampled: one pass for ``m = max z`` and ``sum exp(z - m)`` (``z = logits / T``);
-- top-k / top-p: a kept set is a prefix of the order (descending z, ascending token id), written
-  as a boundary ``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``,
-  where ``key`` maps float32 to int32 preserving order. A pass counts the tokens and their mass
-  above 16 floors below ``m`` (geometric, refined linearly at most twice) to find a floor that
-  the kept set lies above and at most ``capacity`` tokens reach; those candidates are written,
-  in id order, to a per-request scratch, and ``w`` is found in registers by a radix search
-  (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p), ``c`` from the
-  ties' ranks. Kept sets that no floor confines to ``capacity`` tokens fall back to the same
-  searches done bit by bit with one pass over the row per bit.
+First, for every node row at once (XLA reductions spread over the whole GPU, reading the logits
+like one softmax): ``m = max z`` with ``z = logits / T``, its first argmax, ``sum exp(z - m)``, and
+that sum per block of 2,048 entries. A greedy or untruncated row then needs no pass of its own.
+A truncated row (top-k / top-p) is worked out by its request's program, only for the rows the
+walk visits, by streaming the vocabulary in blocks: a kept set is a prefix of the order
+(descending z, ascending token id), written as a boundary ``(w, c)``: token t is kept iff
+``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key`` maps float32 to int32 preserving
+order. A pass counts the tokens and their mass above 16 floors below ``m`` (geometric, refined
+linearly at most twice) to find a floor that the kept set lies above and at most ``capacity``
+tokens reach; those candidates are written, in id order, to a per-request scratch, and ``w`` is
+found in registers by a radix search (4 bits per step, the k-th largest key for top-k, the mass
+prefix for top-p), ``c`` from the ties' ranks. Kept sets that no floor confines to ``capacity``
+tokens fall back to the same searches done bit by bit with one pass over the row per bit.
 
 Accepting a child reads only the children's logits. The final draw removes the rejected
 children (marked in a per-request scratch row) and inverts the cumulative distribution in
-token-id order: over the candidates in registers, or from per-block sums of one pass and a
-cumulative sum inside the block that holds the crossing.
+token-id order: over the candidates in registers; for an untruncated row from the precomputed
+block sums, summing again only the blocks that hold rejected children; otherwise from per-block
+sums of one pass. In each case a cumulative sum inside the block that holds the crossing
+finishes it.
 
 Probabilities are summed in another order than the jnp path, so they may differ in the last
 bits; accepted paths and tokens agree except when a coin falls within that rounding of a
@@ -48,6 +51,7 @@ _SIGN_OFF = 0x7FFFFFFF
 _FLOORS = 16  # candidate floors tried per pass
 _FLOOR_PASSES = 3  # one geometric pass, then up to two refinements
 _LN2 = 0.6931471805599453
+_DRAW_BLOCK = 2048  # entries per precomputed block mass of the final draw
 
 
 def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, temperature_B, top_k_B,
@@ -186,13 +190,12 @@ def _nth_id(in_set, n, ids, none):
 
 
 def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
-                   coins_ref, logits_ref, _, rejected_ref, cand_z_ref, cand_id_ref, accept_ref,
-                   emitted_ref, *, vocab, block_v, capacity, num_nodes, max_depth, interpret):
+                   coins_ref, max_ref, argmax_ref, mass_ref, block_mass_ref, logits_ref, _, rejected_ref,
+                   cand_z_ref, cand_id_ref, accept_ref, emitted_ref, *, vocab, block_v, draw_block, capacity,
+                   num_nodes, max_depth, interpret):
     """Program b: the whole walk and final draw of request b."""
     nodes_pad = tokens_ref.shape[0]
     block_c = _candidate_block(block_v)
-    num_blocks = pl.cdiv(vocab, block_v)
-    blocks_pad = _pow2_at_least(num_blocks)
     temperature = temperature_ref[()]
     greedy = temperature <= 0.0
     divisor = jnp.where(greedy, 1.0, temperature)
@@ -204,6 +207,9 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
     parents = parents_ref[...]
     coins = coins_ref[...]
     slots = jnp.arange(capacity)
+
+    def at_node(x_N, cur):
+        return jnp.sum(jnp.where(node_ids == cur, x_N, 0))
 
     def barrier():
         if not interpret:  # scratch written by some threads is read by others (none interpreted)
@@ -221,27 +227,7 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
             return fn(carry, *load_block(cur, i * size, size), i)
         return lax.fori_loop(0, pl.cdiv(vocab, size), body, init)
 
-    # --- streamed passes over a row -------------------------------------------------------------
-    def argmax_row(cur):
-        def step(carry, ids, valid, z, i):
-            m, arg = carry
-            z = jnp.where(valid, z, -jnp.inf)
-            block_max = jnp.max(z)
-            block_arg = jnp.min(jnp.where(z == block_max, ids, vocab))
-            better = block_max > m
-            return lax.select(better, block_max, m), lax.select(better, block_arg, arg)
-        return fold_row(cur, step, (jnp.float32(-jnp.inf), jnp.int32(vocab)))
-
-    def softmax_row(cur):
-        """Max ``m`` and ``sum exp(z - m)`` in one pass (per-lane sums rescaled as m grows)."""
-        def step(carry, ids, valid, z, i):
-            m, sums = carry
-            z = jnp.where(valid, z, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(z))
-            return m_new, sums * jnp.exp(m - m_new) + jnp.exp(z - m_new)
-        m, sums = fold_row(cur, step, (jnp.float32(-jnp.inf), jnp.zeros((block_v,), jnp.float32)))
-        return m, jnp.sum(sums)
-
+    # --- passes over a row ----------------------------------------------------------------------
     def count(cur, pred):
         return fold_row(cur, lambda n, ids, valid, z, i: n + jnp.sum(
             (valid & pred(_order_key(z), ids)).astype(jnp.int32)), jnp.int32(0))
@@ -374,12 +360,12 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
     def row_stats(cur):
         """``(m, w, c, total, num)`` of row ``cur``: max, kept-set boundary, kept mass and the
         number of candidates in the scratch (``-1``: the kept set is streamed from the row)."""
+        m, total_all = at_node(max_ref[...], cur), at_node(mass_ref[...], cur)
+
         def greedy_stats():
-            m, arg = argmax_row(cur)
-            return m, _order_key(m), arg + 1, jnp.float32(1.0), jnp.int32(-1)
+            return m, _order_key(m), at_node(argmax_ref[...], cur) + 1, jnp.float32(1.0), jnp.int32(-1)
 
         def sampled_stats():
-            m, total_all = softmax_row(cur)
 
             def truncated():
                 def holds(count_F, mass_F):
@@ -410,12 +396,12 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         is_child = children(cur)
         z = plt.load(logits_ref.at[cur, tokens]).astype(jnp.float32) / divisor
         q = jnp.where(is_child & _kept(_order_key(z), tokens, w, c), jnp.exp(z - m) / total, 0.0)
-        coin = jnp.sum(jnp.where(node_ids == cur, coins, 0.0))
+        coin = at_node(coins, cur)
         hit = is_child & (coin <= jnp.cumsum(q))
         tries = active & (t < max_depth)
         took = tries & (jnp.max(hit.astype(jnp.int32)) > 0)
         child = jnp.min(jnp.where(hit, node_ids, nodes_pad))
-        token = jnp.sum(jnp.where(node_ids == child, tokens, 0))
+        token = at_node(tokens, child)
         accept = jnp.where(took & (jnp.arange(accept.shape[0]) == t + 1), child, accept)
         emitted = jnp.where(took & (jnp.arange(emitted.shape[0]) == t), token, emitted)
         return (lax.select(took, child, cur), active & (took | (t >= max_depth)),
@@ -433,7 +419,7 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
     # with duplicate indices may write the old value back over a mark (the interpreter does).
     rejected = children(cur) & ~active
     first = jnp.min(jnp.where(rejected, node_ids, nodes_pad))
-    first_token = jnp.sum(jnp.where(node_ids == first, tokens, 0))
+    first_token = at_node(tokens, first)
     plt.store(rejected_ref.at[jnp.where(rejected, tokens, first_token)], jnp.ones((nodes_pad,), jnp.int8),
               mask=jnp.broadcast_to(first < nodes_pad, (nodes_pad,)))
     barrier()
@@ -452,34 +438,56 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         pick = lax.select(crossing < capacity, crossing, jnp.max(jnp.where(residual > 0.0, slots, -1)))
         return jnp.sum(jnp.where(slots == pick, ids, 0))
 
-    def streamed_draw(exclude):
-        """Block sums in one pass, then the crossing inside the block that holds it."""
-        def residual(ids, valid, z, i):
-            keep = valid & _kept(_order_key(z), ids, w, c)
-            if exclude:
-                marked = plt.load(rejected_ref.at[pl.ds(i * block_v, block_v)], mask=valid, other=0)
-                keep &= marked == 0
-            return jnp.where(keep, jnp.exp(z - m), 0.0)
+    def residual(start, ids, valid, z, exclude):
+        keep = valid & _kept(_order_key(z), ids, w, c)
+        if exclude:
+            keep &= plt.load(rejected_ref.at[pl.ds(start, ids.shape[0])], mask=valid, other=0) == 0
+        return jnp.where(keep, jnp.exp(z - m), 0.0)
 
-        block_ids = jnp.arange(blocks_pad)
-        sums = fold_row(cur, lambda s, ids, valid, z, i: jnp.where(
-            block_ids == i, jnp.sum(residual(ids, valid, z, i)), s), jnp.zeros((blocks_pad,), jnp.float32))
-        cum = jnp.cumsum(sums)
-        total = jnp.max(cum)
-        target = final_coin * total
-        block = jnp.min(jnp.where(cum >= target, block_ids, num_blocks - 1))
-        base = jnp.sum(jnp.where(block_ids < block, sums, 0.0))
-        ids, valid, z = load_block(cur, block * block_v, block_v)
-        res = residual(ids, valid, z, block)
+    def draw_from_blocks(sums_K, size, exclude):
+        """The crossing of ``final_coin`` in the residual's cumulative mass, given its per-block sums
+        (blocks of ``size`` entries): first the block, then the entry inside it."""
+        block_ids = jnp.arange(sums_K.shape[0])
+        cum = jnp.cumsum(sums_K)
+        target = final_coin * jnp.max(cum)
+        block = jnp.min(jnp.where(cum >= target, block_ids, pl.cdiv(vocab, size) - 1))
+        base = jnp.sum(jnp.where(block_ids < block, sums_K, 0.0))
+        ids, valid, z = load_block(cur, block * size, size)
+        res = residual(block * size, ids, valid, z, exclude)
         crossing = jnp.min(jnp.where(valid & (base + jnp.cumsum(res) >= target), ids, vocab))
-        last_positive = jnp.max(jnp.where(res > 0.0, ids, -1))
-        return total, lax.select(crossing < vocab, crossing, last_positive)
+        return lax.select(crossing < vocab, crossing, jnp.max(jnp.where(res > 0.0, ids, -1)))
+
+    def streamed_draw():
+        """Truncated rows: block sums of the residual from one pass over the row."""
+        block_ids = jnp.arange(_pow2_at_least(pl.cdiv(vocab, block_v)))
+
+        def sums(exclude):
+            return fold_row(cur, lambda s, ids, valid, z, i: jnp.where(
+                block_ids == i, jnp.sum(residual(i * block_v, ids, valid, z, exclude)), s), jnp.zeros(block_ids.shape))
+        sums_K = sums(True)
+        return _either(jnp.sum(sums_K) > 0.0, lambda: draw_from_blocks(sums_K, block_v, True),
+                       lambda: draw_from_blocks(sums(False), block_v, False))
+
+    def presummed_draw():
+        """Untruncated rows: the block sums of the whole row come precomputed; only the blocks that
+        hold rejected children are summed again, without them."""
+        full_K = plt.load(block_mass_ref.at[cur, pl.ds(0, block_mass_ref.shape[1])])
+        block_ids = jnp.arange(full_K.shape[0])
+        blocks_N = jnp.where(rejected, tokens // draw_block, full_K.shape[0])
+
+        def resum(carry):
+            block, sums_K = carry
+            ids, valid, z = load_block(cur, block * draw_block, draw_block)
+            sums_K = jnp.where(block_ids == block, jnp.sum(residual(block * draw_block, ids, valid, z, True)), sums_K)
+            return jnp.min(jnp.where(blocks_N > block, blocks_N, full_K.shape[0])), sums_K
+
+        _, sums_K = lax.while_loop(lambda carry: carry[0] < full_K.shape[0], resum,
+                                   (jnp.min(blocks_N), full_K))
+        return _either(jnp.sum(sums_K) > 0.0, lambda: draw_from_blocks(sums_K, draw_block, True),
+                       lambda: draw_from_blocks(full_K, draw_block, False))
 
     def sampled_draw():
-        def streamed():
-            total, token = streamed_draw(exclude=True)
-            return _when(total <= 0.0, lambda: streamed_draw(exclude=False)[1], token)
-        return _either(num >= 0, candidate_draw, streamed)
+        return _either(num >= 0, candidate_draw, lambda: _either(use_k | use_p, streamed_draw, presummed_draw))
 
     token = _either(greedy, lambda: c - 1, sampled_draw)
     accept_ref[...] = accept
@@ -496,6 +504,26 @@ def _candidate_block(block_v: int) -> int:
     return min(block_v, max(16, block_v // _FLOORS))
 
 
+def _draw_block(block_v: int) -> int:
+    """Vocabulary block of the precomputed per-block masses of the final draw."""
+    return min(block_v, _DRAW_BLOCK)
+
+
+def _row_stats(logits_BNV, temperature_B, draw_block):
+    """Per node row, over the whole GPU at once: ``max z``, its first argmax, ``sum exp(z - m)``
+    and that sum per ``draw_block``-entry block (``[B, N, K]``, K a power of two, zero-padded),
+    with ``z = logits / T`` (``/ 1`` for greedy requests), as the kernel's passes would compute."""
+    vocab = logits_BNV.shape[-1]
+    num_blocks = pl.cdiv(vocab, draw_block)
+    divisor_B = jnp.where(temperature_B <= 0.0, 1.0, temperature_B)
+    z_BNV = logits_BNV.astype(jnp.float32) / divisor_B[:, None, None]
+    max_BN = jnp.max(z_BNV, axis=-1)
+    e_BNV = jnp.exp(z_BNV - max_BN[..., None])
+    padded = ((0, 0), (0, 0), (0, _pow2_at_least(num_blocks) * draw_block - vocab))
+    block_mass_BNK = jnp.pad(e_BNV, padded).reshape(*e_BNV.shape[:2], -1, draw_block).sum(-1)
+    return max_BN, jnp.argmax(z_BNV, axis=-1).astype(jnp.int32), block_mass_BNK.sum(-1), block_mass_BNK
+
+
 @functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
                                               "capacity", "interpret"))
 def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins_B, temperature_B,
@@ -506,9 +534,12 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     depth_pad = _pow2_at_least(max_depth + 2)
     block_v = min(block_v, _pow2_at_least(vocab))
     spare = _candidate_block(block_v)  # compaction's spare slots: one block
-    pad = lambda x, value: jnp.pad(x, ((0, 0), (0, nodes_pad - num_nodes)), constant_values=value)  # noqa: E731
-    kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, capacity=capacity,
-                               num_nodes=num_nodes, max_depth=max_depth, interpret=interpret)
+    draw_block = _draw_block(block_v)
+    pad_nodes = lambda x, value: jnp.pad(  # noqa: E731
+        x, ((0, 0), (0, nodes_pad - num_nodes)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
+    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits_BNV, temperature_B, draw_block)
+    kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, draw_block=draw_block,
+                               capacity=capacity, num_nodes=num_nodes, max_depth=max_depth, interpret=interpret)
     scalar = pl.BlockSpec((None,), lambda b: (b,))
     per_node = pl.BlockSpec((None, nodes_pad), lambda b: (b, 0))
     row = lambda n: pl.BlockSpec((None, n), lambda b: (b, 0))  # noqa: E731
@@ -519,14 +550,16 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
                  jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32)]
     *_, accept_BD, emitted_BD = pl.pallas_call(
         kernel, grid=(batch,),
-        in_specs=[scalar, scalar, scalar, scalar, per_node, per_node, per_node,
+        in_specs=[scalar, scalar, scalar, scalar, per_node, per_node, per_node, per_node, per_node, per_node,
+                  pl.BlockSpec((None, nodes_pad, block_mass_BNK.shape[2]), lambda b: (b, 0, 0)),
                   pl.BlockSpec((None, num_nodes, vocab), lambda b: (b, 0, 0)), row(vocab)],
         out_specs=[row(x.shape[1]) for x in out_shape], out_shape=out_shape,
-        input_output_aliases={8: 0},
+        input_output_aliases={12: 0},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="tree_sample",
-    )(temperature_B, top_k_B, top_p_B, final_coins_B, pad(tokens_BN, 0), pad(parents_BN, -1),
-      pad(coins_BN, 1.0), logits_BNV, jnp.zeros((batch, vocab), jnp.int8))
+    )(temperature_B, top_k_B, top_p_B, final_coins_B, pad_nodes(tokens_BN, 0), pad_nodes(parents_BN, -1),
+      pad_nodes(coins_BN, 1.0), pad_nodes(max_BN, 0.0), pad_nodes(argmax_BN, 0), pad_nodes(mass_BN, 1.0),
+      pad_nodes(block_mass_BNK, 0.0), logits_BNV, jnp.zeros((batch, vocab), jnp.int8))
     return _verify_result(accept_BD[:, :max_depth + 1], emitted_BD[:, :max_depth + 1], num_nodes)
 
 
