@@ -153,17 +153,23 @@ def shard_attention(attend_fn, mesh: Mesh, *, split_heads: bool):
     `cache_spec` (block j of H/tp query heads reads exactly KV block j of K/tp heads, the GQA
     group being H/K), else `_local_kv_heads` of the replicated cache. Without ``split_heads`` (the
     replicated drafter and its cache), heads stay whole and every ``"tp"`` device computes the
-    same output. Returns ``[B, N, H, D]`` laid out like ``q``'s in_spec.
+    same output. Returns ``[B, N, H, D]`` laid out like ``q``'s in_spec. With ``layer``, ``k, v``
+    are the stacked ``[L, B, K, S, D]`` caches (see `models.layers.attention`).
     """
     tp = tp_size(mesh) if split_heads else 1
     q_spec = P("dp", None, "tp" if split_heads else None, None)
 
-    def attend(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale):
-        num_heads, num_kv = q_BNHD.shape[2], k_BKSD.shape[1]
-        kv_spec = P(*cache_spec(num_kv, tp, over_heads=split_heads)[1:])
-        body = functools.partial(attend_fn, scale=scale)
-        if kv_spec[1] is None and tp > 1:
-            body = functools.partial(_local_kv_heads, body, group=num_heads // num_kv)
+    def attend(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer=None):
+        num_heads, num_kv = q_BNHD.shape[2], k_BKSD.shape[-3]
+        kv_spec = cache_spec(num_kv, tp, over_heads=split_heads)
+        kv_spec = kv_spec if layer is not None else P(*kv_spec[1:])
+
+        def body(q_BNHD, k, v, lengths_B, mask_BNM):
+            if kv_spec[-3] is None and tp > 1:  # heads split, cache replicated: cut this device's heads
+                k, v = (k, v) if layer is None else (k[layer], v[layer])
+                return _local_kv_heads(functools.partial(attend_fn, scale=scale), q_BNHD, k, v, lengths_B,
+                                       mask_BNM, group=num_heads // num_kv)
+            return attend_fn(q_BNHD, k, v, lengths_B, mask_BNM, scale=scale, layer=layer)
         # check_vma off: a pallas_call does not declare how its outputs vary over mesh axes.
         sharded = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P("dp"), P("dp", None, None)),
                                 out_specs=q_spec, check_vma=False)

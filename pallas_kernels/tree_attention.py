@@ -35,8 +35,8 @@ _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _NEG = -1e30
 
 
-def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, backend="auto",
-                   config: TreeAttentionConfig | None = None):
+def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer: int | None = None,
+                   backend="auto", config: TreeAttentionConfig | None = None):
     """Masked GQA attention of N new queries over one layer's KV cache.
 
     Args:
@@ -47,6 +47,9 @@ def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, backen
       mask_BNM: bool ``[B, N, M]``; new slot ``lengths[b] + j`` is visible to query i iff
         ``mask[b, i, j]``; every slot ``< lengths[b]`` is visible.
       scale: softmax scale (a Python float).
+      layer: with a layer index (a Python int), ``k_BKSD, v_BKSD`` are the stacked caches
+        ``[L, B, K, S, D]`` of all layers and layer ``layer`` is attended; the Pallas kernel
+        reads it in place (slicing it out first would copy it for the kernel call).
       backend: ``"triton"`` (Pallas Triton kernel on a CUDA GPU), ``"interpret"`` (the same
         kernel interpreted, any platform), ``"mosaic"`` (the Mosaic GPU kernel of
         ``tree_attention_mgpu``, Hopper only, bf16/fp16, head_dim 64/128; slower than the Triton
@@ -61,16 +64,21 @@ def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, backen
       in float32. A query that sees no slot at all gets zeros from the kernel (the reference
       returns a finite average there); tree masks always let a node see itself.
     """
-    _check_args(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale, backend)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    k_LBKSD, v_LBKSD, layer = _stacked(k_BKSD, v_BKSD, layer)
+    k_BKSD, v_BKSD = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k_LBKSD, v_LBKSD))
+    check_shapes(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale)
     if backend == "auto":
         on_cuda = jax.default_backend() == "gpu" and device_capability() >= (8, 0)
         backend = "triton" if on_cuda and kernel_supports(q_BNHD, k_BKSD) else "xla"
     if backend == "xla":
-        return tree_attention_reference(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale=scale)
+        return tree_attention_reference(q_BNHD, k_LBKSD[layer], v_LBKSD[layer], lengths_B, mask_BNM,
+                                        scale=scale)
     if backend in ("mosaic", "mosaic_interpret"):
         # Imported here: that module builds on this one's packing and merge helpers.
         from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
-        return tree_attention_mgpu(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale=scale,
+        return tree_attention_mgpu(q_BNHD, k_LBKSD[layer], v_LBKSD[layer], lengths_B, mask_BNM, scale=scale,
                                    interpret=backend == "mosaic_interpret", config=config)
     if not kernel_supports(q_BNHD, k_BKSD):
         raise ValueError(f"backend={backend!r} needs a power-of-two head_dim >= 16 and float32, "
@@ -78,9 +86,22 @@ def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, backen
                          f"dtypes {q_BNHD.dtype}, {k_BKSD.dtype}, {v_BKSD.dtype}")
     if config is None:
         config = tree_attention_config(device_capability() if backend == "triton" else (8, 0))
-    return _tree_attention_pallas(q_BNHD, k_BKSD, v_BKSD, jnp.asarray(lengths_B, jnp.int32),
-                                  mask_BNM, scale=float(scale), config=config,
+    return _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, jnp.asarray(lengths_B, jnp.int32),
+                                  mask_BNM, scale=float(scale), layer=layer, config=config,
                                   interpret=backend == "interpret")
+
+
+def _stacked(k, v, layer):
+    """``(k [L, B, K, S, D], v, layer)``: one layer's ``[B, K, S, D]`` cache as a stack of one."""
+    if layer is None:
+        if k.ndim != 4 or v.ndim != 4:
+            raise ValueError(f"k and v must be [B, K, S, D] (or pass layer= with [L, B, K, S, D] caches), "
+                             f"got shapes {k.shape} and {v.shape}")
+        return k[None], v[None], 0
+    if not isinstance(layer, int) or k.ndim != 5 or v.ndim != 5 or not 0 <= layer < k.shape[0]:
+        raise ValueError(f"with layer={layer!r}, k and v must be stacked caches [L, B, K, S, D] with "
+                         f"0 <= layer < L, got shapes {k.shape} and {v.shape}")
+    return k, v, layer
 
 
 def kernel_supports(q_BNHD, k_BKSD) -> bool:
@@ -88,12 +109,6 @@ def kernel_supports(q_BNHD, k_BKSD) -> bool:
     head_dim = q_BNHD.shape[-1]
     return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and q_BNHD.dtype == k_BKSD.dtype
             and any(q_BNHD.dtype == d for d in _KERNEL_DTYPES))
-
-
-def _check_args(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale, backend):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_shapes(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale)
 
 
 def check_shapes(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale):
@@ -246,11 +261,11 @@ def _merge_splits(o_BKJMD, m_BKJM, l_BKJM):
     return o_BKMD / jnp.where(l_BKM > 0, l_BKM, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
-def _tree_attention_pallas(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, config,
+@functools.partial(jax.jit, static_argnames=("scale", "layer", "config", "interpret"))
+def _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, lengths_B, mask_BNM, *, scale, layer, config,
                            interpret):
     batch, num_q, num_heads, head_dim = q_BNHD.shape
-    _, num_kv, num_slots, _ = k_BKSD.shape
+    _, _, num_kv, num_slots, _ = k_LBKSD.shape
     num_new = mask_BNM.shape[2]
     group = num_heads // num_kv
     plan = _plan(batch, num_kv, group * num_q, num_new, num_slots, config)
@@ -266,8 +281,8 @@ def _tree_attention_pallas(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale
     in_specs = [
         pl.BlockSpec((None,), lambda r, j, b, h: (b,)),
         pl.BlockSpec((None, None, plan.block_m, head_dim), lambda r, j, b, h: (b, h, r, 0)),
-        pl.BlockSpec((None, None, num_slots, head_dim), lambda r, j, b, h: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, num_slots, head_dim), lambda r, j, b, h: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, None, num_slots, head_dim), lambda r, j, b, h: (layer, b, h, 0, 0)),
+        pl.BlockSpec((None, None, None, num_slots, head_dim), lambda r, j, b, h: (layer, b, h, 0, 0)),
         pl.BlockSpec((None, plan.block_m, plan.new_pad), lambda r, j, b, h: (b, r, 0)),
     ]
     rows_shape = (batch, num_kv, plan.rows_pad)
@@ -290,6 +305,6 @@ def _tree_attention_pallas(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale
             num_warps=config.launch_warps(plan.block_m),
             num_stages=config.launch_stages(plan.block_m, head_dim, q_BNHD.dtype.itemsize)),
         interpret=interpret, name="tree_attention",
-    )(lengths_B, q_BKMD, k_BKSD, v_BKSD, mask_BRM)
+    )(lengths_B, q_BKMD, k_LBKSD, v_LBKSD, mask_BRM)
     o_BKMD = outs[0] if plan.num_splits == 1 else _merge_splits(*outs)
     return _unpack_output(o_BKMD, num_q, num_heads).astype(q_BNHD.dtype)

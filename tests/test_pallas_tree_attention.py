@@ -84,6 +84,22 @@ def test_more_new_keys_than_queries_and_under_jit():
     assert_close(fn(*args), tree_attention_reference(*args, scale=0.3), jnp.float32)
 
 
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_layer_of_a_stacked_cache_equals_that_layer_alone(backend):
+    """``layer=i`` over ``[L, B, K, S, D]`` caches attends layer i exactly as its slice would."""
+    q, k, v, lengths, mask = make_inputs(4, batch=2, num_q=5, heads=4, kv_heads=2, head_dim=16,
+                                         slots=48, lengths=[9, 30], dtype=jnp.float32)
+    k_L, v_L = jnp.stack([k * 0.5, k, -k]), jnp.stack([v + 1.0, v, v * 2.0])
+    for layer in range(3):
+        out = tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=layer, backend=backend, config=SMALL)
+        alone = tree_attention(q, k_L[layer], v_L[layer], lengths, mask, scale=0.3, backend=backend, config=SMALL)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+    with pytest.raises(ValueError, match="layer=3"):
+        tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=3, backend=backend)
+    with pytest.raises(ValueError, match="layer=0"):
+        tree_attention(q, k, v, lengths, mask, scale=0.3, layer=0, backend=backend)
+
+
 def test_stale_cache_slots_are_ignored():
     """Slots past ``lengths + M`` must not change the output."""
     q, k, v, lengths, mask = make_inputs(3, batch=2, num_q=6, heads=2, kv_heads=1, head_dim=16,
@@ -135,10 +151,10 @@ def test_invalid_arguments(kwargs, match):
 def test_lowers_to_valid_triton_ir(dtype, config):
     """Each kernel variant lowers to Triton IR that the MLIR verifier accepts (no GPU needed)."""
     for num_q, slots in ((16, 4096), (40, 300)):
-        shapes = [((2, num_q, 32, 128), dtype), ((2, 8, slots, 128), dtype),
-                  ((2, 8, slots, 128), dtype), ((2,), jnp.int32), ((2, num_q, num_q), jnp.bool_)]
+        shapes = [((2, num_q, 32, 128), dtype), ((36, 2, 8, slots, 128), dtype),  # a stacked cache
+                  ((36, 2, 8, slots, 128), dtype), ((2,), jnp.int32), ((2, num_q, num_q), jnp.bool_)]
         args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-        fn = lambda *a: _tree_attention_pallas(*a, scale=0.1, config=config, interpret=False)  # noqa: E731
+        fn = lambda *a: _tree_attention_pallas(*a, scale=0.1, layer=35, config=config, interpret=False)  # noqa: E731
         [module] = verified_triton_modules(fn, *args)
         assert "tt.dot" in module
 

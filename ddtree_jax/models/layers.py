@@ -101,7 +101,7 @@ def layer_output(layer, x_BND, attn_BNHD, shape: LayerShape):
     return x_BND + matmul(jax.nn.silu(gate_BNI) * up_BNI, layer["w_down"])
 
 
-def attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale):
+def attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer=None):
     """Masked GQA attention of N new queries over one layer's cache.
 
     ``k_BKSD, v_BKSD`` hold S slots per request; the first ``lengths[b]`` are the committed
@@ -109,8 +109,11 @@ def attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale):
     forward). Slot s is visible to query i iff ``s < lengths[b]`` or ``mask[b, i, s - lengths[b]]``
     for a new slot. Query head h uses kv head ``h // (H // K)``. Softmax in float32.
     Returns ``[B, N, H, D]`` in ``q``'s dtype. A query that sees no slot gets a finite
-    average of all slots (never NaN).
+    average of all slots (never NaN). With ``layer`` (an int), ``k, v`` are the stacked caches
+    ``[L, B, K, S, D]`` of all layers and layer ``layer`` is attended.
     """
+    if layer is not None:
+        k_BKSD, v_BKSD = k_BKSD[layer], v_BKSD[layer]
     batch, num_q, num_heads, head_dim = q_BNHD.shape
     num_kv, num_slots = k_BKSD.shape[1], k_BKSD.shape[2]
     q_BKGND = q_BNHD.reshape(batch, num_q, num_kv, num_heads // num_kv, head_dim).transpose(0, 2, 3, 1, 4)
@@ -132,7 +135,8 @@ _KERNEL_BACKEND = {"pallas": "triton", "interpret": "interpret", "auto": "auto"}
 
 
 def attention_impl_fn(impl: str, mesh=None, *, split_heads: bool = True):
-    """The attention function behind the ``attention_impl`` switch (same signature as `attention`).
+    """The attention function behind the ``attention_impl`` switch (same signature as `attention`,
+    ``layer`` included: the kernel reads a layer of the stacked cache in place).
 
     ``"xla"``: `attention`; ``"pallas"``: the Pallas Triton tree-attention kernel (CUDA GPUs);
     ``"auto"``: the kernel where it runs (a CUDA GPU of compute capability >= 8.0 and a
@@ -168,7 +172,7 @@ def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads:
     def attend(i, q_BNHD, k_BNKD, v_BNKD, cache: KVCache):
         cache = KVCache(k=write_scratch(cache.k, i, k_BNKD, cache.lengths),
                         v=write_scratch(cache.v, i, v_BNKD, cache.lengths), lengths=cache.lengths)
-        return attend_fn(q_BNHD, cache.k[i], cache.v[i], cache.lengths, mask_BNM, scale=scale), cache
+        return attend_fn(q_BNHD, cache.k, cache.v, cache.lengths, mask_BNM, scale=scale, layer=i), cache
 
     return attend
 
