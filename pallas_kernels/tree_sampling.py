@@ -5,19 +5,20 @@ walk of DESIGN.md §2 (sgl-kernel "target-only" tree rejection sampling, thresho
 processed target row (temperature, then top-k, then top-p, see ``ddtree_jax.sampling``) is
 never materialised and never sorted.
 
-First, for every node row at once (XLA reductions spread over the whole GPU, reading the logits
-like one softmax): ``m = max z`` with ``z = logits / T``, its first argmax, ``sum exp(z - m)``, and
-that sum per block of 2,048 entries. A greedy or untruncated row then needs no pass of its own.
-A truncated row (top-k / top-p) is worked out by its request's program, only for the rows the
-walk visits, by streaming the vocabulary in blocks: a kept set is a prefix of the order
-(descending z, ascending token id), written as a boundary ``(w, c)``: token t is kept iff
-``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key`` maps float32 to int32 preserving
-order. A pass counts the tokens and their mass above 16 floors below ``m`` (geometric, refined
-linearly at most twice) to find a floor that the kept set lies above and at most ``capacity``
-tokens reach; those candidates are written, in id order, to a per-request scratch, and ``w`` is
-found in registers by a radix search (4 bits per step, the k-th largest key for top-k, the mass
-prefix for top-p), ``c`` from the ties' ranks. Kept sets that no floor confines to ``capacity``
-tokens fall back to the same searches done bit by bit with one pass over the row per bit.
+First, for every node row at once (one read of the logits by a program per row and block of
+2,048 entries, so that the whole GPU works even for one request): ``m = max z`` with
+``z = logits / T``, its first argmax, ``sum exp(z - m)``, and that sum per block. A greedy or
+untruncated row then needs no pass of its own. A truncated row (top-k / top-p) is worked out by
+its request's program, only for the rows the walk visits, by streaming the vocabulary in blocks:
+a kept set is a prefix of the order (descending z, ascending token id), written as a boundary
+``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key``
+maps float32 to int32 preserving order. A pass counts the tokens and their mass above 16 floors
+below ``m`` (geometric, refined linearly at most twice) to find a floor that the kept set lies
+above and at most ``capacity`` tokens reach; those candidates are written, in id order, to a
+per-request scratch, and ``w`` is found in registers by a radix search (4 bits per step, the
+k-th largest key for top-k, the mass prefix for top-p), ``c`` from the ties' ranks. Kept sets
+that no floor confines to ``capacity`` tokens fall back to the same searches done bit by bit
+with one pass over the row per bit.
 
 Accepting a child reads only the children's logits. The final draw removes the rejected
 children (marked in a per-request scratch row) and inverts the cumulative distribution in
@@ -509,19 +510,45 @@ def _draw_block(block_v: int) -> int:
     return min(block_v, _DRAW_BLOCK)
 
 
-def _row_stats(logits_BNV, temperature_B, draw_block):
-    """Per node row, over the whole GPU at once: ``max z``, its first argmax, ``sum exp(z - m)``
-    and that sum per ``draw_block``-entry block (``[B, N, K]``, K a power of two, zero-padded),
-    with ``z = logits / T`` (``/ 1`` for greedy requests), as the kernel's passes would compute."""
-    vocab = logits_BNV.shape[-1]
-    num_blocks = pl.cdiv(vocab, draw_block)
-    divisor_B = jnp.where(temperature_B <= 0.0, 1.0, temperature_B)
-    z_BNV = logits_BNV.astype(jnp.float32) / divisor_B[:, None, None]
-    max_BN = jnp.max(z_BNV, axis=-1)
-    e_BNV = jnp.exp(z_BNV - max_BN[..., None])
-    padded = ((0, 0), (0, 0), (0, _pow2_at_least(num_blocks) * draw_block - vocab))
-    block_mass_BNK = jnp.pad(e_BNV, padded).reshape(*e_BNV.shape[:2], -1, draw_block).sum(-1)
-    return max_BN, jnp.argmax(z_BNV, axis=-1).astype(jnp.int32), block_mass_BNK.sum(-1), block_mass_BNK
+def _block_stats_kernel(divisor_ref, logits_ref, max_ref, argmax_ref, mass_ref, *, vocab, block):
+    """Program (row r, block k): max of ``z = logits / divisor`` over the block, its first argmax
+    and ``sum exp(z - block max)``."""
+    ids = pl.program_id(1) * block + jnp.arange(block)
+    valid = ids < vocab
+    x = plt.load(logits_ref.at[pl.ds(pl.program_id(1) * block, block)], mask=valid, other=0)
+    z = jnp.where(valid, x.astype(jnp.float32) / divisor_ref[()], -jnp.inf)
+    m = jnp.max(z)
+    max_ref[()] = m
+    argmax_ref[()] = jnp.min(jnp.where(z == m, ids, vocab))
+    mass_ref[()] = jnp.sum(jnp.exp(z - m))
+
+
+def _row_stats(logits_BNV, temperature_B, draw_block, num_warps, interpret):
+    """Per node row: ``max z`` (``z = logits / T``, ``/ 1`` for greedy requests), its first argmax,
+    ``sum exp(z - max)``, and that sum per ``draw_block``-entry block (``[B, N, K]``, K a power of
+    two, zero-padded). One read of the logits, one program per (row, block): the whole GPU works
+    on it even for a single request."""
+    batch, num_nodes, vocab = logits_BNV.shape
+    rows, num_blocks = batch * num_nodes, pl.cdiv(vocab, draw_block)
+    divisor_R = jnp.repeat(jnp.where(temperature_B <= 0.0, 1.0, temperature_B), num_nodes)
+    per_block = pl.BlockSpec((None, None), lambda r, k: (r, k))
+    max_RK, argmax_RK, mass_RK = pl.pallas_call(
+        functools.partial(_block_stats_kernel, vocab=vocab, block=draw_block), grid=(rows, num_blocks),
+        in_specs=[pl.BlockSpec((None,), lambda r, k: (r,)), pl.BlockSpec((None, vocab), lambda r, k: (r, 0))],
+        out_specs=[per_block] * 3,
+        out_shape=[jax.ShapeDtypeStruct((rows, num_blocks), dtype) for dtype in (jnp.float32, jnp.int32,
+                                                                                 jnp.float32)],
+        compiler_params=plt.CompilerParams(num_warps=min(num_warps, 4), num_stages=1),
+        interpret=interpret, name="tree_sample_row_stats",
+    )(divisor_R, logits_BNV.reshape(rows, vocab))
+    max_R = jnp.max(max_RK, axis=1)
+    first_K = jnp.argmax(max_RK == max_R[:, None], axis=1)  # the first block holding the max
+    argmax_R = jnp.take_along_axis(argmax_RK, first_K[:, None], axis=1)[:, 0]
+    mass_RK = jnp.pad(mass_RK * jnp.exp(max_RK - max_R[:, None]),
+                      ((0, 0), (0, _pow2_at_least(num_blocks) - num_blocks)))
+    shape = (batch, num_nodes)
+    return (max_R.reshape(shape), argmax_R.reshape(shape), jnp.sum(mass_RK, axis=1).reshape(shape),
+            mass_RK.reshape(*shape, -1))
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
@@ -537,7 +564,8 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     draw_block = _draw_block(block_v)
     pad_nodes = lambda x, value: jnp.pad(  # noqa: E731
         x, ((0, 0), (0, nodes_pad - num_nodes)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
-    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits_BNV, temperature_B, draw_block)
+    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits_BNV, temperature_B, draw_block, num_warps,
+                                                             interpret)
     kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, draw_block=draw_block,
                                capacity=capacity, num_nodes=num_nodes, max_depth=max_depth, interpret=interpret)
     scalar = pl.BlockSpec((None,), lambda b: (b,))
