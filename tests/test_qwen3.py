@@ -170,6 +170,35 @@ def test_tree_verify_equals_sequential_decoding_and_commit():
         np.testing.assert_allclose(committed.v[:, b, :, :length], sequential.v[:, b, :, :length], atol=1e-5)
 
 
+def kernel_operand_shapes(jaxpr) -> list[list[tuple]]:
+    """The operand shapes of every Pallas call in ``jaxpr`` (nested jaxprs walked)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append([tuple(v.aval.shape) for v in eqn.invars])
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += kernel_operand_shapes(sub)
+    return found
+
+
+def test_attention_kernel_reads_the_stacked_cache_in_place():
+    """Each layer's kernel call takes the whole ``[L, B, K, S, D]`` cache (the layer is a static
+    index), not a slice of it: on a GPU a sliced kernel operand is a copy of the layer's cache."""
+    target = small_target()
+    cfg = target.config
+    cache = init_cache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 16, cfg.head_dim, target.dtype)
+    positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
+    forward = lambda c: target_forward(target, jnp.zeros((2, 3), jnp.int32), positions, causal(2, 3), c,  # noqa: E731
+                                       attention_impl="interpret")
+    calls = kernel_operand_shapes(jax.make_jaxpr(forward)(cache).jaxpr)
+    assert len(calls) == cfg.num_hidden_layers
+    assert all(shapes.count(cache.k.shape) == 2 for shapes in calls), calls
+
+
 def test_forward_under_jit_and_bf16_close_to_fp32():
     target = small_target()
     ids = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, (2, 6)), jnp.int32)
