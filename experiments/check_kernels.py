@@ -7,7 +7,7 @@ device, over shapes too large for the CPU.
   Hopper only) against the reference: contexts up to 64k, up to 512 tree nodes, GQA groups 1/4/8,
   head_dim 64/128, bf16 and fp32, batch up to 32, ragged lengths and padding nodes. The Mosaic GPU
   kernel skips the fp32 cases (it takes bf16/fp16 only). The reference runs with float32 matmuls
-  at full precision.
+  at full precision. Stacked cases put a case's cache in the last layer of an all-layers cache.
 - ``sampling``: the fused tree sampler against the jnp path (``verify_from_coins``) at V = 151,936:
   greedy and sampled requests mixed in a batch, float32 and bf16 logits, kept sets searched among
   candidates and, with top-k beyond the candidate capacity, by passes over the row; accepted paths
@@ -45,6 +45,10 @@ ATTENTION_CASES = [
     (1, 7, 32, 8, 128, [65536], 0, "bfloat16"),
     (16, 64, 32, 8, 128, [1024], 0, "bfloat16"),
 ]
+# (layers, index into ATTENTION_CASES): that case's K/V as the last layer of stacked
+# [L, B, K, S, D] caches (the models' layout), read in place with layer = L - 1; 9 x case 1 is
+# 4.8 GB per cache, past 2**32 bytes, where the kernel's offsets switch to 64 bits.
+STACKED_CASES = [(9, 1)]
 
 
 # (temperature, top_k, top_p) per request, cycled over the batch: greedy, plain, top-k, top-p,
@@ -108,9 +112,11 @@ def attention_case(seed, batch, nodes, heads, kv_heads, head_dim, contexts, padd
     return q, k, v, jnp.asarray(lengths), jnp.asarray(mask)
 
 
-def check_attention(backends=("triton",)):
+def check_attention(backends=("triton",), cases=ATTENTION_CASES, stacked=STACKED_CASES):
     records = []
-    for seed, (batch, nodes, heads, kv_heads, head_dim, contexts, padding, dtype) in enumerate(ATTENTION_CASES):
+    runs = [(seed, None) for seed in range(len(cases))] + [(seed, layers) for layers, seed in stacked]
+    for seed, layers in runs:
+        batch, nodes, heads, kv_heads, head_dim, contexts, padding, dtype = cases[seed]
         args = attention_case(seed, batch, nodes, heads, kv_heads, head_dim, contexts, padding,
                               jnp.dtype(dtype))
         scale = head_dim ** -0.5
@@ -119,7 +125,7 @@ def check_attention(backends=("triton",)):
         for backend in backends:
             record = dict(backend=backend, batch=batch, nodes=nodes, heads=heads,
                           kv_heads=kv_heads, head_dim=head_dim, contexts=contexts,
-                          padding=padding, dtype=dtype)
+                          padding=padding, dtype=dtype, layers=layers)
             if backend == "mosaic" and not any(jnp.dtype(dtype) == d for d in MOSAIC_DTYPES):
                 record.update(ok=True, skipped=f"{dtype} not supported by the mosaic kernel")
                 print(record, flush=True)
@@ -131,7 +137,13 @@ def check_attention(backends=("triton",)):
 
 def _check_attention_backend(record, args, scale, ref, backend):
     def check():
-        out = np.asarray(tree_attention(*args, scale=scale, backend=backend), np.float32)
+        q, k, v, lengths, mask = args
+        layer = None
+        if record["layers"]:
+            layer = record["layers"] - 1
+            k, v = (jnp.zeros((layer + 1, *x.shape), x.dtype).at[layer].set(x) for x in (k, v))
+        out = np.asarray(tree_attention(q, k, v, lengths, mask, scale=scale, layer=layer, backend=backend),
+                         np.float32)
         err = float(np.abs(out - ref).max())
         tol = 1e-4 if record["dtype"] == "float32" else 3e-2
         return dict(max_abs_err=err, tol=tol, ok=bool(err <= tol and np.isfinite(out).all()))

@@ -1,5 +1,8 @@
 """Tree-attention kernel vs the jnp reference (interpret mode on CPU) and its Triton lowering."""
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,6 +101,17 @@ def test_layer_of_a_stacked_cache_equals_that_layer_alone(backend):
         tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=3, backend=backend)
     with pytest.raises(ValueError, match="layer=0"):
         tree_attention(q, k, v, lengths, mask, scale=0.3, layer=0, backend=backend)
+
+
+def test_gpu_equality_script_attention_checks_run_interpreted():
+    """`experiments/check_kernels.py`'s attention part, small cases through the interpreter: a plain
+    case and the same case as the last layer of a stacked cache."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.check_kernels import check_attention
+
+    cases = [(2, 5, 4, 2, 16, [30, 7], 1, "float32")]
+    records = check_attention(("interpret",), cases=cases, stacked=[(3, 0)])
+    assert [(r["layers"], r["ok"]) for r in records] == [(None, True), (3, True)], records
 
 
 def test_stale_cache_slots_are_ignored():
