@@ -48,8 +48,9 @@ def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer:
         ``mask[b, i, j]``; every slot ``< lengths[b]`` is visible.
       scale: softmax scale (a Python float).
       layer: with a layer index (a Python int), ``k_BKSD, v_BKSD`` are the stacked caches
-        ``[L, B, K, S, D]`` of all layers and layer ``layer`` is attended; the Pallas kernel
-        reads it in place (slicing it out first would copy it for the kernel call).
+        ``[L, B, K, S, D]`` of all layers and layer ``layer`` is attended; the Triton kernel
+        reads it in place (a slice passed to a kernel call is a copy of the layer's cache), the
+        Mosaic kernel and the reference slice it out.
       backend: ``"triton"`` (Pallas Triton kernel on a CUDA GPU), ``"interpret"`` (the same
         kernel interpreted, any platform), ``"mosaic"`` (the Mosaic GPU kernel of
         ``tree_attention_mgpu``, Hopper only, bf16/fp16, head_dim 64/128; slower than the Triton

@@ -431,12 +431,12 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         live, ids, key, e = candidates(m, num)
         kept = live & _kept(key, ids, w, c)
         marked = plt.load(rejected_ref.at[jnp.where(live, ids, 0)])
-        residual = jnp.where(kept & (marked == 0), e, 0.0)
-        residual = jnp.where(jnp.sum(residual) > 0.0, residual, jnp.where(kept, e, 0.0))
-        cum = jnp.cumsum(residual)
-        crossing = jnp.min(jnp.where(live & (cum >= final_coin * jnp.sum(residual)), slots, capacity))
+        left_C = jnp.where(kept & (marked == 0), e, 0.0)
+        left_C = jnp.where(jnp.sum(left_C) > 0.0, left_C, jnp.where(kept, e, 0.0))
+        cum = jnp.cumsum(left_C)
+        crossing = jnp.min(jnp.where(live & (cum >= final_coin * jnp.sum(left_C)), slots, capacity))
         # The cumulative sum may round below the sum it is compared with.
-        pick = lax.select(crossing < capacity, crossing, jnp.max(jnp.where(residual > 0.0, slots, -1)))
+        pick = lax.select(crossing < capacity, crossing, jnp.max(jnp.where(left_C > 0.0, slots, -1)))
         return jnp.sum(jnp.where(slots == pick, ids, 0))
 
     def residual(start, ids, valid, z, exclude):
