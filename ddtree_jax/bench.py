@@ -12,7 +12,8 @@ the Pallas kernels, data movement, the rest; `ddtree_jax.profiling`).
 Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree on the embedded pair, with the
 speedup over AR measured in the same process.
 
-Every timing is the median of ``--repeats`` warm calls ending in ``block_until_ready``. The JSON is
+Every timing is the median of ``--repeats`` warm calls ending in ``block_until_ready``; the first
+call of the decode step and of each round (compilation included) is recorded apart. The JSON is
 rewritten after every row, so an interrupted run keeps what it measured.
 
     ddtree bench --out bench_e2e.json                                   # the full benchmark (GPU)
@@ -65,6 +66,13 @@ def median_ms(fn, repeats: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return 1e3 * float(np.median(times))
+
+
+def first_call_s(fn) -> float:
+    """Seconds of the first call of ``fn()`` (compilation included), to ``block_until_ready``."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
 
 
 def weight_bytes(params) -> int:
@@ -207,18 +215,22 @@ def bench_shapes(args, emit) -> None:
         sampling = constant_sampling(batch, args.temperature, args.top_p)
         for context in args.contexts:
             ar = engine.make_spec(target, None, "ar", 1, None, **impls)
-            decode_ms = time_round(target, drafter, ar, make_state(target, drafter, ar, batch, context), sampling,
-                                   args.repeats)
+            decode = round_runner(target, drafter, ar, make_state(target, drafter, ar, batch, context), sampling)
+            decode_first_s = first_call_s(decode)
+            decode_ms = median_ms(decode, args.repeats)
             print(f"batch {batch} context {context}: decode step {decode_ms:.2f} ms "
-                  f"({decode_ms / decode_floor:.2f}x roofline)", flush=True)
+                  f"({decode_ms / decode_floor:.2f}x roofline; first call {decode_first_s:.1f} s)", flush=True)
             for budget in args.budgets:
                 spec = engine.make_spec(target, drafter, "ddtree", budget, args.topk_cap or None, **impls)
                 state = make_state(target, drafter, spec, batch, context)
                 parts = time_parts(target, drafter, spec, state, sampling, args.repeats)
-                round_ms = time_round(target, drafter, spec, state, sampling, args.repeats)
+                run = round_runner(target, drafter, spec, state, sampling)
+                round_first_s = first_call_s(run)
+                round_ms = median_ms(run, args.repeats)
                 row = dict(batch=batch, context=context, budget=budget, attention_impl=spec.attention_impl,
                            sampler_impl=spec.sampler_impl, decode_ms=decode_ms, round_ms=round_ms,
-                           decode_roofline_ms=decode_floor, round_floor_ms=round_floor, **parts)
+                           decode_roofline_ms=decode_floor, round_floor_ms=round_floor, **parts,
+                           decode_first_call_s=decode_first_s, round_first_call_s=round_first_s)
                 row["round_over_decode"] = round_ms / decode_ms  # = the break-even tau
                 row["core_share"] = (parts["tree_ms"] + parts["sampling_ms"]) / round_ms
                 if args.profile and budget == args.budgets[0]:
@@ -245,6 +257,7 @@ def bench_shapes(args, emit) -> None:
                 print(f"  B={budget:4d}: round {round_ms:7.2f} ms = {row['round_over_decode']:.2f} decode steps | "
                       + " ".join(f"{k[:-3]} {v:.2f}" for k, v in parts.items())
                       + f" | build+sampling {100 * row['core_share']:.1f}% of the round"
+                      + f" | first call {round_first_s:.1f} s"
                       + (f" | mesh(1,1) {row['round_mesh1_ms']:.2f} vs {row['round_xla_ms']:.2f} ms"
                          if "round_mesh1_ms" in row else ""), flush=True)
                 emit(row)

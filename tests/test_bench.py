@@ -21,6 +21,9 @@ def test_bench_tiny_shapes_and_embedded(tmp_path):
     for row in rows:
         assert PART_KEYS <= set(row) and all(row[k] > 0 for k in PART_KEYS | {"round_ms", "decode_ms"})
         assert row["round_over_decode"] == pytest.approx(row["round_ms"] / row["decode_ms"])
+        # first calls compile: far slower than the warm median
+        assert row["round_first_call_s"] * 1e3 > 2 * row["round_ms"]
+        assert row["decode_first_call_s"] * 1e3 > 2 * row["decode_ms"]
     assert rows[0]["round_mesh1_ms"] > 0 and rows[0]["round_xla_ms"] > 0 and "round_mesh1_ms" not in rows[1]
     # the CPU records no device plane: the profiles are there and empty
     assert rows[0]["profile_round"] == rows[0]["profile_decode"] == {} and "profile_round" not in rows[1]
