@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_sampling import _tree_sample_pallas, tree_sample
+from pallas_kernels.tree_sampling import _row_stats, _tree_sample_pallas, tree_sample
 
 FIELDS = ("accept_index", "num_accepted", "predicts", "emitted", "bonus")
 
@@ -106,6 +106,31 @@ def test_random_shapes_and_parameters_match_jnp_path(seed, vocab, block_v, capac
     tree, logits, coins, final = make_round(seed, batch=len(rows), depth=3, vocab=vocab, budget=6,
                                             logit_scale=3.0, tie_step=tie_step, agree=4.0)
     assert_same(tree, logits, coins, final, *params(*rows), block_v=block_v, capacity=capacity)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), vocab=st.integers(1, 300), block=st.sampled_from([16, 64, 512]),
+       tie_step=st.sampled_from([None, 1.0]), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype):
+    """The statistics pass (a program per row and block) against NumPy on the processed rows: max
+    and first argmax exact, total and per-block masses to float32 rounding, zero-padded blocks."""
+    rng = np.random.default_rng(seed)
+    logits = 3.0 * rng.standard_normal((2, 3, vocab))
+    logits = np.round(logits / tie_step) * tie_step if tie_step else logits
+    logits = jnp.asarray(logits, dtype)
+    temperature = jnp.asarray([0.0, 0.7], jnp.float32)  # greedy rows divide by 1
+    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits, temperature, block, 4, True)
+    # the processed rows as the jnp path divides them (NumPy's division may differ in the last bit)
+    z = np.asarray(logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None, None])
+    np.testing.assert_array_equal(np.asarray(max_BN), z.max(-1))
+    np.testing.assert_array_equal(np.asarray(argmax_BN), z.argmax(-1))
+    e = np.exp(z - z.max(-1, keepdims=True))
+    num_blocks = -(-vocab // block)
+    blocks = np.pad(e, ((0, 0), (0, 0), (0, num_blocks * block - vocab))).reshape(2, 3, num_blocks, block).sum(-1)
+    assert block_mass_BNK.shape[2] >= num_blocks and block_mass_BNK.shape[2] & (block_mass_BNK.shape[2] - 1) == 0
+    np.testing.assert_allclose(np.asarray(block_mass_BNK[..., :num_blocks]), blocks, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(block_mass_BNK[..., num_blocks:]), 0.0)
+    np.testing.assert_allclose(np.asarray(mass_BN), e.sum(-1), rtol=1e-5)
 
 
 def test_ties_at_top_k_and_top_p_boundaries():
