@@ -224,11 +224,11 @@ def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0, noise=1.0, dtype
 
 
 def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report):
-    """Fused sampling (one implementation per ``(block_v, num_warps, num_stages)`` of
+    """Fused sampling (one implementation per ``(block_v, num_warps, num_stages, stats_blocks)`` of
     ``fused_configs``) vs the jnp path on ``(budget, batch, params name)`` cases (``budget_s`` as
     in ``bench_attention``)."""
     impls = {fused_name(c, len(fused_configs)): functools.partial(
-                 tree_sample, backend="triton", block_v=c[0], num_warps=c[1], num_stages=c[2])
+                 tree_sample, backend="triton", block_v=c[0], num_warps=c[1], num_stages=c[2], stats_blocks=c[3])
              for c in fused_configs}
     impls["jnp"] = verify_from_coins
     floor_s = QWEN3_8B_WEIGHT_BYTES / (peak_gbs * 1e9)
@@ -262,9 +262,17 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report):
     return records
 
 
+def fused_config(text: str) -> tuple[int, int, int, int]:
+    """``"block_v:num_warps:num_stages[:stats_blocks]"`` -> the four ints (stats_blocks 1 if left out)."""
+    values = [int(x) for x in text.split(":")]
+    if len(values) not in (3, 4):
+        raise ValueError(f"a fused config is block_v:num_warps:num_stages[:stats_blocks], got {text!r}")
+    return (*values, 1)[:4]
+
+
 def fused_name(config, count):
-    """``"fused"`` for a single configuration, else ``"fused_<block_v>_<warps>_<stages>"``."""
-    return "fused" if count == 1 else "fused_{}_{}_{}".format(*config)
+    """``"fused"`` for a single configuration, else ``"fused_<block_v>_<warps>_<stages>_<stats_blocks>"``."""
+    return "fused" if count == 1 else "fused_{}_{}_{}_{}".format(*config)
 
 
 def compare_results(result, reference):
@@ -293,8 +301,10 @@ def main(argv=None):
                              "(Mosaic GPU kernel, Hopper), xla, dpa (jax.nn.dot_product_attention)")
     parser.add_argument("--sampling-params", default=",".join(SAMPLING_PARAMS),
                         help=f"sampling parameter sets, from {list(SAMPLING_PARAMS)}")
-    parser.add_argument("--fused-configs", default="32768:8:1",
-                        help="fused sampler launch configs block_v:num_warps:num_stages, comma-separated")
+    parser.add_argument("--fused-configs", default="32768:8:1:1",
+                        help="fused sampler launch configs block_v:num_warps:num_stages[:stats_blocks], "
+                             "comma-separated (stats_blocks: vocabulary blocks per program of the "
+                             "row-statistics pass, default 1)")
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
                         help="HBM bandwidth for the fraction columns (H200: 4.8 TB/s)")
     parser.add_argument("--budget-s", type=float, default=240.0,
@@ -315,7 +325,7 @@ def main(argv=None):
         if part == "sampling":
             cases = [(int(b), int(n), pname) for pname in args.sampling_params.split(",")
                      for b, n in (c.split(":") for c in args.sampling_cases.split(","))]
-            fused = [tuple(int(x) for x in c.split(":")) for c in args.fused_configs.split(",")]
+            fused = [fused_config(c) for c in args.fused_configs.split(",")]
             bench_sampling(cases, fused, vocab=args.vocab, peak_gbs=args.peak_gbs,
                            budget_s=args.budget_s, report=report)
             continue

@@ -57,7 +57,7 @@ _DRAW_BLOCK = 2048  # entries per precomputed block mass of the final draw
 
 def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, temperature_B, top_k_B,
                 top_p_B, *, backend="auto", block_v=32768, num_warps=8, num_stages=1,
-                capacity=2048) -> VerifyResult:
+                capacity=2048, stats_blocks=1) -> VerifyResult:
     """Verify each request's tree against the target logits (greedy and sampled requests mixed).
 
     Args:
@@ -73,6 +73,8 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
         per program and software-pipelining depth of the vocabulary loops.
       capacity: candidate slots per request (a power of two): a truncated kept set that fits
         them is searched in registers; a larger one by passes over the row.
+      stats_blocks: vocabulary blocks (of 2,048 entries at most) per program of the row-statistics
+        pass; more blocks mean fewer, longer programs.
 
     Returns:
       ``VerifyResult`` as ``verify_from_coins``.
@@ -87,6 +89,8 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if not isinstance(stats_blocks, int) or stats_blocks < 1:
+        raise ValueError(f"stats_blocks must be an int >= 1, got {stats_blocks!r}")
     batch, num_nodes = tree.tokens.shape
     if target_logits_BNV.ndim != 3 or target_logits_BNV.shape[:2] != (batch, num_nodes):
         raise ValueError(f"target_logits must be [B={batch}, N={num_nodes}, V], got "
@@ -103,7 +107,7 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
                                jnp.asarray(temperature_B, jnp.float32),
                                jnp.asarray(top_k_B, jnp.int32), jnp.asarray(top_p_B, jnp.float32),
                                max_depth=tree.max_depth, block_v=block_v, num_warps=num_warps,
-                               num_stages=num_stages, capacity=capacity,
+                               num_stages=num_stages, capacity=capacity, stats_blocks=stats_blocks,
                                interpret=backend == "interpret")
 
 
@@ -510,37 +514,48 @@ def _draw_block(block_v: int) -> int:
     return min(block_v, _DRAW_BLOCK)
 
 
-def _block_stats_kernel(divisor_ref, logits_ref, max_ref, argmax_ref, mass_ref, *, vocab, block):
-    """Program (row r, block k): max of ``z = logits / divisor`` over the block, its first argmax
-    and ``sum exp(z - block max)``."""
-    ids = pl.program_id(1) * block + jnp.arange(block)
-    valid = ids < vocab
-    x = plt.load(logits_ref.at[pl.ds(pl.program_id(1) * block, block)], mask=valid, other=0)
-    z = jnp.where(valid, x.astype(jnp.float32) / divisor_ref[()], -jnp.inf)
-    m = jnp.max(z)
-    max_ref[()] = m
-    argmax_ref[()] = jnp.min(jnp.where(z == m, ids, vocab))
-    mass_ref[()] = jnp.sum(jnp.exp(z - m))
+def _block_stats_kernel(divisor_ref, logits_ref, max_ref, argmax_ref, mass_ref, *, vocab, block, blocks):
+    """Program (row r, j): for each of the blocks ``j * blocks + g`` (g < ``blocks``), the max of
+    ``z = logits / divisor`` over the block, its first argmax and ``sum exp(z - block max)``
+    (``-inf``, ``vocab`` and 0 for a block past the vocabulary)."""
+    slot_G = jnp.arange(blocks)
+    max_G = jnp.full((blocks,), -jnp.inf, jnp.float32)
+    argmax_G = jnp.full((blocks,), vocab, jnp.int32)
+    mass_G = jnp.zeros((blocks,), jnp.float32)
+    for g in range(blocks):
+        start = (pl.program_id(1) * blocks + g) * block
+        ids = start + jnp.arange(block)
+        valid = ids < vocab
+        x = plt.load(logits_ref.at[pl.ds(start, block)], mask=valid, other=0)
+        z = jnp.where(valid, x.astype(jnp.float32) / divisor_ref[()], -jnp.inf)
+        m = jnp.max(z)
+        max_G = jnp.where(slot_G == g, m, max_G)
+        argmax_G = jnp.where(slot_G == g, jnp.min(jnp.where(valid & (z == m), ids, vocab)), argmax_G)
+        mass_G = jnp.where(slot_G == g, jnp.sum(jnp.where(valid, jnp.exp(z - m), 0.0)), mass_G)
+    max_ref[...] = max_G
+    argmax_ref[...] = argmax_G
+    mass_ref[...] = mass_G
 
 
-def _row_stats(logits_BNV, temperature_B, draw_block, num_warps, interpret):
+def _row_stats(logits_BNV, temperature_B, draw_block, num_warps, interpret, blocks=1):
     """Per node row: ``max z`` (``z = logits / T``, ``/ 1`` for greedy requests), its first argmax,
     ``sum exp(z - max)``, and that sum per ``draw_block``-entry block (``[B, N, K]``, K a power of
-    two, zero-padded). One read of the logits, one program per (row, block): the whole GPU works
-    on it even for a single request."""
+    two, zero-padded). One read of the logits, one program per row and ``blocks`` blocks: the whole
+    GPU works on it even for a single request."""
     batch, num_nodes, vocab = logits_BNV.shape
     rows, num_blocks = batch * num_nodes, pl.cdiv(vocab, draw_block)
+    programs = pl.cdiv(num_blocks, blocks)
     divisor_R = jnp.repeat(jnp.where(temperature_B <= 0.0, 1.0, temperature_B), num_nodes)
-    per_block = pl.BlockSpec((None, None), lambda r, k: (r, k))
-    max_RK, argmax_RK, mass_RK = pl.pallas_call(
-        functools.partial(_block_stats_kernel, vocab=vocab, block=draw_block), grid=(rows, num_blocks),
-        in_specs=[pl.BlockSpec((None,), lambda r, k: (r,)), pl.BlockSpec((None, vocab), lambda r, k: (r, 0))],
-        out_specs=[per_block] * 3,
-        out_shape=[jax.ShapeDtypeStruct((rows, num_blocks), dtype) for dtype in (jnp.float32, jnp.int32,
-                                                                                 jnp.float32)],
+    per_program = pl.BlockSpec((None, blocks), lambda r, j: (r, j))
+    max_RK, argmax_RK, mass_RK = (x[:, :num_blocks] for x in pl.pallas_call(
+        functools.partial(_block_stats_kernel, vocab=vocab, block=draw_block, blocks=blocks), grid=(rows, programs),
+        in_specs=[pl.BlockSpec((None,), lambda r, j: (r,)), pl.BlockSpec((None, vocab), lambda r, j: (r, 0))],
+        out_specs=[per_program] * 3,
+        out_shape=[jax.ShapeDtypeStruct((rows, programs * blocks), dtype) for dtype in (jnp.float32, jnp.int32,
+                                                                                        jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=min(num_warps, 4), num_stages=1),
         interpret=interpret, name="tree_sample_row_stats",
-    )(divisor_R, logits_BNV.reshape(rows, vocab))
+    )(divisor_R, logits_BNV.reshape(rows, vocab)))
     max_R = jnp.max(max_RK, axis=1)
     first_K = jnp.argmax(max_RK == max_R[:, None], axis=1)  # the first block holding the max
     argmax_R = jnp.take_along_axis(argmax_RK, first_K[:, None], axis=1)[:, 0]
@@ -552,10 +567,10 @@ def _row_stats(logits_BNV, temperature_B, draw_block, num_warps, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
-                                              "capacity", "interpret"))
+                                              "capacity", "stats_blocks", "interpret"))
 def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins_B, temperature_B,
                         top_k_B, top_p_B, *, max_depth, block_v, num_warps, num_stages, capacity,
-                        interpret):
+                        interpret, stats_blocks=1):
     batch, num_nodes, vocab = logits_BNV.shape
     nodes_pad = _pow2_at_least(num_nodes)
     depth_pad = _pow2_at_least(max_depth + 2)
@@ -565,7 +580,7 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     pad_nodes = lambda x, value: jnp.pad(  # noqa: E731
         x, ((0, 0), (0, nodes_pad - num_nodes)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
     max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits_BNV, temperature_B, draw_block, num_warps,
-                                                             interpret)
+                                                             interpret, stats_blocks)
     kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, draw_block=draw_block,
                                capacity=capacity, num_nodes=num_nodes, max_depth=max_depth, interpret=interpret)
     scalar = pl.BlockSpec((None,), lambda b: (b,))

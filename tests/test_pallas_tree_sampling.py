@@ -61,10 +61,10 @@ MIXED = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.9, 50, 
          (2.0, 0, 0.3), (0.5, 500, 1.0)]
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_mixed_parameters_match_jnp_path(seed):
+@pytest.mark.parametrize("seed, stats_blocks", [(0, 1), (1, 1), (2, 3)])
+def test_mixed_parameters_match_jnp_path(seed, stats_blocks):
     tree, logits, coins, final = make_round(seed, batch=len(MIXED), depth=4, vocab=300, budget=12)
-    assert_same(tree, logits, coins, final, *params(*MIXED), block_v=64)
+    assert_same(tree, logits, coins, final, *params(*MIXED), block_v=64, stats_blocks=stats_blocks)
 
 
 @pytest.mark.parametrize("capacity", [16, 64, 512])
@@ -108,18 +108,20 @@ def test_random_shapes_and_parameters_match_jnp_path(seed, vocab, block_v, capac
     assert_same(tree, logits, coins, final, *params(*rows), block_v=block_v, capacity=capacity)
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), vocab=st.integers(1, 300), block=st.sampled_from([16, 64, 512]),
-       tie_step=st.sampled_from([None, 1.0]), dtype=st.sampled_from(["float32", "bfloat16"]))
-def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype):
-    """The statistics pass (a program per row and block) against NumPy on the processed rows: max
-    and first argmax exact, total and per-block masses to float32 rounding, zero-padded blocks."""
+       tie_step=st.sampled_from([None, 1.0]), dtype=st.sampled_from(["float32", "bfloat16"]),
+       blocks=st.sampled_from([1, 3]))
+def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype, blocks):
+    """The statistics pass (a program per row and ``blocks`` blocks) against NumPy on the processed
+    rows: max and first argmax exact, total and per-block masses to float32 rounding, zero-padded
+    blocks."""
     rng = np.random.default_rng(seed)
     logits = 3.0 * rng.standard_normal((2, 3, vocab))
     logits = np.round(logits / tie_step) * tie_step if tie_step else logits
     logits = jnp.asarray(logits, dtype)
     temperature = jnp.asarray([0.0, 0.7], jnp.float32)  # greedy rows divide by 1
-    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits, temperature, block, 4, True)
+    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits, temperature, block, 4, True, blocks)
     # the processed rows as the jnp path divides them (NumPy's division may differ in the last bit)
     z = np.asarray(logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None, None])
     np.testing.assert_array_equal(np.asarray(max_BN), z.max(-1))
@@ -171,7 +173,7 @@ def test_auto_is_the_jnp_path_on_cpu_and_jits():
 @pytest.mark.parametrize("kwargs, match", [(dict(backend="cuda"), "backend"),
                                            (dict(block_v=100), "block_v"),
                                            (dict(capacity=8), "capacity"), (dict(num_warps=6), "num_warps"),
-                                           (dict(num_stages=0), "num_stages")])
+                                           (dict(num_stages=0), "num_stages"), (dict(stats_blocks=0), "stats_blocks")])
 def test_invalid_arguments(kwargs, match):
     tree, logits, coins, final = make_round(0, batch=1, depth=2, vocab=50, budget=3)
     with pytest.raises(ValueError, match=match):
@@ -180,8 +182,8 @@ def test_invalid_arguments(kwargs, match):
         tree_sample(tree, logits[:, :2], coins, final, *params((1.0, 0, 1.0)))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_to_valid_triton_ir(dtype):
+@pytest.mark.parametrize("dtype, stats_blocks", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.float32, 16)])
+def test_lowers_to_valid_triton_ir(dtype, stats_blocks):
     """Qwen3-sized vocabulary: the kernel lowers to Triton IR that the MLIR verifier accepts."""
     batch, nodes, vocab = 4, 65, 151936
     s = jax.ShapeDtypeStruct
@@ -189,7 +191,7 @@ def test_lowers_to_valid_triton_ir(dtype):
             s((batch, nodes), jnp.float32), s((batch,), jnp.float32), s((batch,), jnp.float32),
             s((batch,), jnp.int32), s((batch,), jnp.float32)]
     fn = lambda *a: _tree_sample_pallas(*a, max_depth=8, block_v=32768, num_warps=16, num_stages=1,  # noqa: E731
-                                        capacity=2048, interpret=False)
+                                        capacity=2048, interpret=False, stats_blocks=stats_blocks)
     row_stats, walk = verified_triton_modules(fn, *args)
     assert "tt.reduce" in row_stats and "tt.scan" in walk
 
@@ -202,3 +204,14 @@ def test_gpu_equality_script_sampling_checks_run_interpreted():
 
     records = check_sampling("interpret", cases=[(8, 8, 700, "float32", 16), (8, 8, 700, "bfloat16", 2048)])
     assert [r["ok"] for r in records] == [True, True], records
+
+
+def test_benchmark_launch_configs():
+    """`experiments/bench_kernels.py --fused-configs`: stats_blocks may be left out (1)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.bench_kernels import fused_config, fused_name
+
+    assert fused_config("32768:8:1") == (32768, 8, 1, 1)
+    assert fused_name(fused_config("16384:16:1:8"), 2) == "fused_16384_16_1_8"
+    with pytest.raises(ValueError, match="block_v:num_warps:num_stages"):
+        fused_config("32768:8")
