@@ -173,6 +173,18 @@ def test_lowers_to_valid_triton_ir(dtype, config):
         assert "tt.dot" in module
 
 
+def test_stacked_cache_past_4gb_lowers_with_64_bit_offsets():
+    """A Qwen3-8B stacked cache at batch 8 and 8k slots (4.9 GB per K or V): the kernel reads its
+    last layer with 64-bit offsets (32-bit ones would wrap past 2**32 bytes)."""
+    shapes = [((8, 64, 32, 128), jnp.bfloat16), ((36, 8, 8, 8320, 128), jnp.bfloat16),
+              ((36, 8, 8, 8320, 128), jnp.bfloat16), ((8,), jnp.int32), ((8, 64, 64), jnp.bool_)]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    fn = lambda *a: _tree_attention_pallas(*a, scale=0.1, layer=35, config=configs.TREE_ATTENTION_CONFIGS[(9, 0)],  # noqa: E731
+                                           interpret=False)
+    [module] = verified_triton_modules(fn, *args)
+    assert "tensor<64x128xi64>" in module
+
+
 @pytest.mark.parametrize("batch, rows, slots", [(1, 64, 65536), (16, 1024, 1024), (3, 20, 300)])
 def test_plan_covers_the_cache(batch, rows, slots):
     plan = _plan(batch, 8, rows, 16, slots, configs.tree_attention_config((9, 0)))
