@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -99,10 +100,12 @@ def _stacked(k, v, layer):
             raise ValueError(f"k and v must be [B, K, S, D] (or pass layer= with [L, B, K, S, D] caches), "
                              f"got shapes {k.shape} and {v.shape}")
         return k[None], v[None], 0
-    if not isinstance(layer, int) or k.ndim != 5 or v.ndim != 5 or not 0 <= layer < k.shape[0]:
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise ValueError(f"layer must be an int (a static layer index), got {layer!r}")
+    if k.ndim != 5 or v.ndim != 5 or not 0 <= layer < k.shape[0]:
         raise ValueError(f"with layer={layer!r}, k and v must be stacked caches [L, B, K, S, D] with "
                          f"0 <= layer < L, got shapes {k.shape} and {v.shape}")
-    return k, v, layer
+    return k, v, int(layer)
 
 
 def kernel_supports(q_BNHD, k_BKSD) -> bool:

@@ -101,6 +101,10 @@ def test_layer_of_a_stacked_cache_equals_that_layer_alone(backend):
         tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=3, backend=backend)
     with pytest.raises(ValueError, match="layer=0"):
         tree_attention(q, k, v, lengths, mask, scale=0.3, layer=0, backend=backend)
+    with pytest.raises(ValueError, match="layer must be an int"):
+        tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=jnp.int32(1), backend=backend)
+    out = tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=np.int64(2), backend=backend, config=SMALL)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
 
 
 def test_gpu_equality_script_attention_checks_run_interpreted():
