@@ -234,11 +234,9 @@ def bench_shapes(args, emit) -> None:
                 row["round_over_decode"] = round_ms / decode_ms  # = the break-even tau
                 row["core_share"] = (parts["tree_ms"] + parts["sampling_ms"]) / round_ms
                 if args.profile and budget == args.budgets[0]:
-                    for name, s in (("decode", ar), ("round", spec)):
-                        st = make_state(target, drafter, s, batch, context)
+                    for name, runner in (("decode", decode), ("round", run)):
                         try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
-                            row[f"profile_{name}"] = profiling.device_op_times(
-                                round_runner(target, drafter, s, st, sampling), calls=3)
+                            row[f"profile_{name}"] = profiling.device_op_times(runner, calls=3)
                         except Exception as e:  # noqa: BLE001
                             row[f"profile_{name}_error"] = repr(e)
                             print(f"  profile of the {name} failed: {e!r}", flush=True)
