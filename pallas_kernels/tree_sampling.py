@@ -6,19 +6,19 @@ processed target row (temperature, then top-k, then top-p, see ``ddtree_jax.samp
 never materialised and never sorted.
 
 First, for every node row at once (one read of the logits by a program per row and block of
-2,048 entries, so that the whole GPU works even for one request): ``m = max z`` with
-``z = logits / T``, its first argmax, ``sum exp(z - m)``, and that sum per block. A greedy or
-untruncated row then needs no pass of its own. A truncated row (top-k / top-p) is worked out by
-its request's program, only for the rows the walk visits, by streaming the vocabulary in blocks:
-a kept set is a prefix of the order (descending z, ascending token id), written as a boundary
-``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key``
-maps float32 to int32 preserving order. A pass counts the tokens and their mass above 16 floors
-below ``m`` (geometric, refined linearly at most twice) to find a floor that the kept set lies
-above and at most ``capacity`` tokens reach; those candidates are written, in id order, to a
-per-request scratch, and ``w`` is found in registers by a radix search (4 bits per step, the
-k-th largest key for top-k, the mass prefix for top-p), ``c`` from the ties' ranks. Kept sets
-that no floor confines to ``capacity`` tokens fall back to the same searches done bit by bit
-with one pass over the row per bit.
+2,048 entries, or ``stats_blocks`` such blocks, so that the whole GPU works even for one
+request): ``m = max z`` with ``z = logits / T``, its first argmax, ``sum exp(z - m)``, and that
+sum per block. A greedy or untruncated row then needs no pass of its own. A truncated row (top-k
+/ top-p) is worked out by its request's program, only for the rows the walk visits, by streaming
+the vocabulary in blocks: a kept set is a prefix of the order (descending z, ascending token
+id), written as a boundary ``(w, c)``: token t is kept iff ``key(z_t) > w`` or
+``key(z_t) == w and t < c``, where ``key`` maps float32 to int32 preserving order. A pass counts the tokens and
+their mass above 16 floors below ``m`` (geometric, refined linearly at most twice) to find a
+floor that the kept set lies above and at most ``capacity`` tokens reach; those candidates are
+written, in id order, to a per-request scratch, and ``w`` is found in registers by a radix
+search (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p), ``c`` from
+the ties' ranks. Kept sets that no floor confines to ``capacity`` tokens fall back to the same
+searches done bit by bit with one pass over the row per bit.
 
 Accepting a child reads only the children's logits. The final draw removes the rejected
 children (marked in a per-request scratch row) and inverts the cumulative distribution in
@@ -451,7 +451,8 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
 
     def draw_from_blocks(sums_K, size, exclude):
         """The crossing of ``final_coin`` in the residual's cumulative mass, given its per-block sums
-        (blocks of ``size`` entries): first the block, then the entry inside it."""
+        (blocks of ``size`` entries): first the block, then the entry inside it. ``exclude``:
+        whether the residual leaves out the rejected children."""
         block_ids = jnp.arange(sums_K.shape[0])
         cum = jnp.cumsum(sums_K)
         target = final_coin * jnp.max(cum)
@@ -462,6 +463,12 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         crossing = jnp.min(jnp.where(valid & (base + jnp.cumsum(res) >= target), ids, vocab))
         return lax.select(crossing < vocab, crossing, jnp.max(jnp.where(res > 0.0, ids, -1)))
 
+    def draw_residual(excluded_K, whole_K, size):
+        """Draw from the residual without the rejected children (block sums ``excluded_K``); when
+        that holds no mass, from the whole kept set (``whole_K()``, computed only then)."""
+        return _either(jnp.sum(excluded_K) > 0.0, lambda: draw_from_blocks(excluded_K, size, True),
+                       lambda: draw_from_blocks(whole_K(), size, False))
+
     def streamed_draw():
         """Truncated rows: block sums of the residual from one pass over the row."""
         block_ids = jnp.arange(_pow2_at_least(pl.cdiv(vocab, block_v)))
@@ -469,9 +476,7 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         def sums(exclude):
             return fold_row(cur, lambda s, ids, valid, z, i: jnp.where(
                 block_ids == i, jnp.sum(residual(i * block_v, ids, valid, z, exclude)), s), jnp.zeros(block_ids.shape))
-        sums_K = sums(True)
-        return _either(jnp.sum(sums_K) > 0.0, lambda: draw_from_blocks(sums_K, block_v, True),
-                       lambda: draw_from_blocks(sums(False), block_v, False))
+        return draw_residual(sums(True), lambda: sums(False), block_v)
 
     def presummed_draw():
         """Untruncated rows: the block sums of the whole row come precomputed; only the blocks that
@@ -488,8 +493,7 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
 
         _, sums_K = lax.while_loop(lambda carry: carry[0] < full_K.shape[0], resum,
                                    (jnp.min(blocks_N), full_K))
-        return _either(jnp.sum(sums_K) > 0.0, lambda: draw_from_blocks(sums_K, draw_block, True),
-                       lambda: draw_from_blocks(full_K, draw_block, False))
+        return draw_residual(sums_K, lambda: full_K, draw_block)
 
     def sampled_draw():
         return _either(num >= 0, candidate_draw, lambda: _either(use_k | use_p, streamed_draw, presummed_draw))
@@ -522,12 +526,13 @@ def _block_stats_kernel(divisor_ref, logits_ref, max_ref, argmax_ref, mass_ref, 
     max_G = jnp.full((blocks,), -jnp.inf, jnp.float32)
     argmax_G = jnp.full((blocks,), vocab, jnp.int32)
     mass_G = jnp.zeros((blocks,), jnp.float32)
+    divisor = divisor_ref[()]
     for g in range(blocks):
         start = (pl.program_id(1) * blocks + g) * block
         ids = start + jnp.arange(block)
         valid = ids < vocab
         x = plt.load(logits_ref.at[pl.ds(start, block)], mask=valid, other=0)
-        z = jnp.where(valid, x.astype(jnp.float32) / divisor_ref[()], -jnp.inf)
+        z = jnp.where(valid, x.astype(jnp.float32) / divisor, -jnp.inf)
         m = jnp.max(z)
         max_G = jnp.where(slot_G == g, m, max_G)
         argmax_G = jnp.where(slot_G == g, jnp.min(jnp.where(valid & (z == m), ids, vocab)), argmax_G)
