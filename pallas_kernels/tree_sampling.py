@@ -12,13 +12,13 @@ sum per block. A greedy or untruncated row then needs no pass of its own. A trun
 / top-p) is worked out by its request's program, only for the rows the walk visits, by streaming
 the vocabulary in blocks: a kept set is a prefix of the order (descending z, ascending token
 id), written as a boundary ``(w, c)``: token t is kept iff ``key(z_t) > w`` or
-``key(z_t) == w and t < c``, where ``key`` maps float32 to int32 preserving order. A pass counts the tokens and
-their mass above 16 floors below ``m`` (geometric, refined linearly at most twice) to find a
-floor that the kept set lies above and at most ``capacity`` tokens reach; those candidates are
-written, in id order, to a per-request scratch, and ``w`` is found in registers by a radix
-search (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p), ``c`` from
-the ties' ranks. Kept sets that no floor confines to ``capacity`` tokens fall back to the same
-searches done bit by bit with one pass over the row per bit.
+``key(z_t) == w and t < c``, where ``key`` maps float32 to int32 preserving order. A pass counts
+the tokens and their mass above 16 floors below ``m`` (geometric, refined linearly at most
+twice) to find a floor that the kept set lies above and at most ``capacity`` tokens reach; those
+candidates are written, in id order, to a per-request scratch, and ``w`` is found in registers
+by a radix search (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p),
+``c`` from the ties' ranks. Kept sets that no floor confines to ``capacity`` tokens fall back to
+the same searches done bit by bit with one pass over the row per bit.
 
 Accepting a child reads only the children's logits. The final draw removes the rejected
 children (marked in a per-request scratch row) and inverts the cumulative distribution in
