@@ -114,15 +114,14 @@ def attention_case(seed, batch, nodes, heads, kv_heads, head_dim, contexts, padd
 
 def check_attention(backends=("triton",), cases=ATTENTION_CASES, stacked=STACKED_CASES):
     records = []
-    runs = [(seed, None) for seed in range(len(cases))] + [(seed, layers) for layers, seed in stacked]
-    for seed, layers in runs:
-        batch, nodes, heads, kv_heads, head_dim, contexts, padding, dtype = cases[seed]
+    for seed, (batch, nodes, heads, kv_heads, head_dim, contexts, padding, dtype) in enumerate(cases):
         args = attention_case(seed, batch, nodes, heads, kv_heads, head_dim, contexts, padding,
                               jnp.dtype(dtype))
         scale = head_dim ** -0.5
         with jax.default_matmul_precision("highest"):
             ref = np.asarray(tree_attention_reference(*args, scale=scale), np.float32)
-        for backend in backends:
+        runs = [(layers, backend) for layers in [None] + [n for n, s in stacked if s == seed] for backend in backends]
+        for layers, backend in runs:
             record = dict(backend=backend, batch=batch, nodes=nodes, heads=heads,
                           kv_heads=kv_heads, head_dim=head_dim, contexts=contexts,
                           padding=padding, dtype=dtype, layers=layers)

@@ -128,9 +128,9 @@ def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype, blocks)
     np.testing.assert_array_equal(np.asarray(argmax_BN), z.argmax(-1))
     e = np.exp(z - z.max(-1, keepdims=True))
     num_blocks = -(-vocab // block)
-    blocks = np.pad(e, ((0, 0), (0, 0), (0, num_blocks * block - vocab))).reshape(2, 3, num_blocks, block).sum(-1)
+    block_sums = np.pad(e, ((0, 0), (0, 0), (0, num_blocks * block - vocab))).reshape(2, 3, num_blocks, block).sum(-1)
     assert block_mass_BNK.shape[2] >= num_blocks and block_mass_BNK.shape[2] & (block_mass_BNK.shape[2] - 1) == 0
-    np.testing.assert_allclose(np.asarray(block_mass_BNK[..., :num_blocks]), blocks, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(block_mass_BNK[..., :num_blocks]), block_sums, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(block_mass_BNK[..., num_blocks:]), 0.0)
     np.testing.assert_allclose(np.asarray(mass_BN), e.sum(-1), rtol=1e-5)
 
