@@ -5,6 +5,7 @@ off) and renormalise -> keep the smallest most-probable set whose mass reaches `
 off) and renormalise. ``T = 0`` is greedy: a one-hot row at the argmax. "Most probable" orders
 tokens by descending ``logits / T`` with ties broken towards the smaller token id, so the kept set
 is always well defined; under top-p a token is kept iff the mass strictly before it is ``< top_p``.
+In float32, ``logits / T`` is computed as ``logits * (1 / T)`` (``inverse_temperature``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ def _filtered(z_RV: Float[Array, "R V"], top_k_R, top_p_R) -> Float[Array, "R V"
     return jnp.zeros_like(p).at[rows, ids_sorted].set(p)
 
 
+def inverse_temperature(temperature):
+    """``1 / temperature`` in float32, and 1 where ``temperature <= 0`` (greedy).
+
+    Logits are scaled by this reciprocal rather than divided by the temperature: a product has
+    one rounding on every backend and in every kernel, while XLA on the CPU divides by a
+    broadcast scalar through its reciprocal and a scalar exactly, so quotients of the same
+    numbers could differ in the last bit between programs.
+    """
+    temperature = jnp.asarray(temperature, jnp.float32)
+    return 1.0 / jnp.where(temperature <= 0, 1.0, temperature)
+
+
 def row_probs(
     logits_RV: Float[Array, "R V"],
     temperature_R: Float[Array, " R"],
@@ -45,7 +58,7 @@ def row_probs(
     The sort needed by top-k/top-p runs only when some row asks for it.
     """
     greedy = temperature_R <= 0
-    z = logits_RV.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature_R)[:, None]
+    z = logits_RV.astype(jnp.float32) * inverse_temperature(temperature_R)[:, None]
     needs_sort = jnp.any(~greedy & ((top_k_R > 0) | (top_p_R < 1.0)))
     p = jax.lax.cond(
         needs_sort,

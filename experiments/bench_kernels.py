@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import profiling
 from ddtree_jax.bench import median_ms
 from ddtree_jax.tree import build_tree, tree_positions
 from ddtree_jax.verify import verify_from_coins
@@ -40,7 +41,7 @@ from pallas_kernels import configs
 from pallas_kernels.configs import TreeAttentionConfig
 from pallas_kernels.reference import tree_attention_reference
 from pallas_kernels.tree_attention import tree_attention
-from pallas_kernels.tree_sampling import tree_sample
+from pallas_kernels.tree_sampling import PARALLEL_ROWS, tree_sample
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 VOCAB, DRAFT_DEPTH = 151_936, 15
@@ -223,12 +224,14 @@ def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0, noise=1.0, dtype
         jnp.asarray(p, jnp.float32)
 
 
-def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report):
+def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, profile=False):
     """Fused sampling (one implementation per ``(block_v, num_warps, num_stages, stats_blocks)`` of
     ``fused_configs``) vs the jnp path on ``(budget, batch, params name)`` cases (``budget_s`` as
-    in ``bench_attention``)."""
+    in ``bench_attention``). ``profile``: also record where each fused call's device time goes
+    (``ddtree_jax.profiling``)."""
     impls = {fused_name(c, len(fused_configs)): functools.partial(
-                 tree_sample, backend="triton", block_v=c[0], num_warps=c[1], num_stages=c[2], stats_blocks=c[3])
+                 tree_sample, backend="triton", block_v=c[0], num_warps=c[1], num_stages=c[2], stats_blocks=c[3],
+                 parallel_rows=c[4])
              for c in fused_configs}
     impls["jnp"] = verify_from_coins
     floor_s = QWEN3_8B_WEIGHT_BYTES / (peak_gbs * 1e9)
@@ -249,6 +252,9 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report):
                 results[name] = jax.block_until_ready(exe(*args))
                 seconds = median_ms(functools.partial(exe, *args), 5) / 1e3
                 row[name] = dict(ms=seconds * 1e3, frac_of_verify_floor=seconds / floor_s)
+                if profile and name != "jnp":
+                    row[name]["profile"] = profiling.device_op_times(functools.partial(exe, *args), calls=3)
+                    print(f"  {name}:\n" + profiling.format_summary(row[name]["profile"]), flush=True)
             except Exception as err:  # noqa: BLE001
                 row[name] = dict(error=error_text(err))
         if "jnp" in results:
@@ -262,17 +268,20 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report):
     return records
 
 
-def fused_config(text: str) -> tuple[int, int, int, int]:
-    """``"block_v:num_warps:num_stages[:stats_blocks]"`` -> the four ints (stats_blocks 1 if left out)."""
+def fused_config(text: str) -> tuple[int, int, int, int, int]:
+    """``"block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]]"`` -> the five ints
+    (``tree_sample``'s defaults for those left out)."""
     values = [int(x) for x in text.split(":")]
-    if len(values) not in (3, 4):
-        raise ValueError(f"a fused config is block_v:num_warps:num_stages[:stats_blocks], got {text!r}")
-    return (*values, 1)[:4]
+    if len(values) not in (3, 4, 5):
+        raise ValueError("a fused config is block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]], "
+                         f"got {text!r}")
+    return (*values, 1, PARALLEL_ROWS)[:5] if len(values) == 3 else (*values, PARALLEL_ROWS)[:5]
 
 
 def fused_name(config, count):
-    """``"fused"`` for a single configuration, else ``"fused_<block_v>_<warps>_<stages>_<stats_blocks>"``."""
-    return "fused" if count == 1 else "fused_{}_{}_{}_{}".format(*config)
+    """``"fused"`` for a single configuration, else
+    ``"fused_<block_v>_<warps>_<stages>_<stats_blocks>_<parallel_rows>"``."""
+    return "fused" if count == 1 else "fused_{}_{}_{}_{}_{}".format(*config)
 
 
 def compare_results(result, reference):
@@ -301,10 +310,13 @@ def main(argv=None):
                              "(Mosaic GPU kernel, Hopper), xla, dpa (jax.nn.dot_product_attention)")
     parser.add_argument("--sampling-params", default=",".join(SAMPLING_PARAMS),
                         help=f"sampling parameter sets, from {list(SAMPLING_PARAMS)}")
-    parser.add_argument("--fused-configs", default="32768:8:1:1",
-                        help="fused sampler launch configs block_v:num_warps:num_stages[:stats_blocks], "
+    parser.add_argument("--fused-configs", default="32768:8:1",
+                        help="fused sampler configs block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]], "
                              "comma-separated (stats_blocks: vocabulary blocks per program of the "
-                             "row-statistics pass, default 1)")
+                             "row-statistics pass, default 1; parallel_rows: up to this many node rows the "
+                             f"candidates are found over the whole GPU, default {PARALLEL_ROWS})")
+    parser.add_argument("--profile", action="store_true",
+                        help="sampling: record where each fused call's device time goes (per kernel and op)")
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
                         help="HBM bandwidth for the fraction columns (H200: 4.8 TB/s)")
     parser.add_argument("--budget-s", type=float, default=240.0,
@@ -327,7 +339,7 @@ def main(argv=None):
                      for b, n in (c.split(":") for c in args.sampling_cases.split(","))]
             fused = [fused_config(c) for c in args.fused_configs.split(",")]
             bench_sampling(cases, fused, vocab=args.vocab, peak_gbs=args.peak_gbs,
-                           budget_s=args.budget_s, report=report)
+                           budget_s=args.budget_s, report=report, profile=args.profile)
             continue
         contexts = ints(args.contexts if part == "attention" else args.sweep_contexts)
         shapes = [(b, n, c) for b in ints(args.batches) for n in ints(args.nodes) for c in contexts]

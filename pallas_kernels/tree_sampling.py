@@ -2,23 +2,28 @@
 
 Same result as ``ddtree_jax.verify.verify_from_coins`` (the jnp path) for the same coins: the
 walk of DESIGN.md §2 (sgl-kernel "target-only" tree rejection sampling, thresholds 1), where the
-processed target row (temperature, then top-k, then top-p, see ``ddtree_jax.sampling``) is
-never materialised and never sorted.
+processed target row (``z = logits * (1 / T)``, then top-k, then top-p, see
+``ddtree_jax.sampling``) is never materialised and never sorted.
 
-First, for every node row at once (one read of the logits by a program per row and block of
-2,048 entries, or ``stats_blocks`` such blocks, so that the whole GPU works even for one
-request): ``m = max z`` with ``z = logits / T``, its first argmax, ``sum exp(z - m)``, and that
-sum per block. A greedy or untruncated row then needs no pass of its own. A truncated row (top-k
-/ top-p) is worked out by its request's program, only for the rows the walk visits, by streaming
-the vocabulary in blocks: a kept set is a prefix of the order (descending z, ascending token
-id), written as a boundary ``(w, c)``: token t is kept iff ``key(z_t) > w`` or
-``key(z_t) == w and t < c``, where ``key`` maps float32 to int32 preserving order. A pass counts
-the tokens and their mass above 16 floors below ``m`` (geometric, refined linearly at most
-twice) to find a floor that the kept set lies above and at most ``capacity`` tokens reach; those
-candidates are written, in id order, to a per-request scratch, and ``w`` is found in registers
-by a radix search (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p),
-``c`` from the ties' ranks. Kept sets that no floor confines to ``capacity`` tokens fall back to
-the same searches done bit by bit with one pass over the row per bit.
+Before the walk, passes over every node row at once (a program per row and vocabulary block, so
+that the whole GPU works even for one request):
+
+- statistics (one read of the logits; ``stats_blocks`` blocks of 2,048 entries per program):
+  ``m = max z``, its first argmax, ``sum exp(z - m)`` and that sum per block. A greedy or
+  untruncated row then needs no pass of its own;
+- candidates of the truncated (top-k / top-p) rows, when there are at most ``parallel_rows``
+  node rows: the tokens and their mass above 16 floors below ``m`` (geometric, refined linearly
+  at most twice) give the highest floor that the kept set lies above, and the tokens above it
+  (at most ``capacity``) are written, in id order, to the row's candidate slots. With more rows
+  the requests' programs fill the GPU, and each does the same passes for the rows it visits only.
+
+A kept set is a prefix of the order (descending z, ascending token id), written as a boundary
+``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key``
+maps float32 to int32 preserving order. The request's program finds ``w`` for the rows the walk
+visits by a radix search over the candidates in registers (4 bits per step, the k-th largest key
+for top-k, the mass prefix for top-p), ``c`` from the ties' ranks. Kept sets that no floor
+confines to ``capacity`` tokens fall back to the same searches done bit by bit with one pass
+over the row per bit.
 
 Accepting a child reads only the children's logits. The final draw removes the rejected
 children (marked in a per-request scratch row) and inverts the cumulative distribution in
@@ -42,6 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ddtree_jax.sampling import inverse_temperature
 from ddtree_jax.tree import DraftTree
 from ddtree_jax.verify import VerifyResult, verify_from_coins
 from pallas_kernels.configs import device_capability
@@ -53,11 +59,15 @@ _FLOORS = 16  # candidate floors tried per pass
 _FLOOR_PASSES = 3  # one geometric pass, then up to two refinements
 _LN2 = 0.6931471805599453
 _DRAW_BLOCK = 2048  # entries per precomputed block mass of the final draw
+_FEW_SLOTS = 256  # candidates searched in a smaller register tile when they fit it
+# Up to this many node rows (batch x nodes), candidates are found over the whole GPU; beyond, the
+# walk of each request finds those of the rows it visits (fewer rows, and the requests fill the GPU).
+PARALLEL_ROWS = 1024
 
 
 def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, temperature_B, top_k_B,
                 top_p_B, *, backend="auto", block_v=32768, num_warps=8, num_stages=1,
-                capacity=2048, stats_blocks=1) -> VerifyResult:
+                capacity=2048, stats_blocks=1, parallel_rows=PARALLEL_ROWS) -> VerifyResult:
     """Verify each request's tree against the target logits (greedy and sampled requests mixed).
 
     Args:
@@ -71,10 +81,13 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
         interpreted), ``"xla"`` (``verify_from_coins``) or ``"auto"`` (triton on a CUDA GPU, else xla).
       block_v: vocabulary entries per block (a power of two); num_warps, num_stages: Triton warps
         per program and software-pipelining depth of the vocabulary loops.
-      capacity: candidate slots per request (a power of two): a truncated kept set that fits
+      capacity: candidate slots per node row (a power of two): a truncated kept set that fits
         them is searched in registers; a larger one by passes over the row.
       stats_blocks: vocabulary blocks (of 2,048 entries at most) per program of the row-statistics
         pass; more blocks mean fewer, longer programs.
+      parallel_rows: with at most this many node rows (``B * N``), the candidates of every
+        truncated row are found by passes over the whole GPU before the walk; with more, each
+        request's program finds those of the rows it visits.
 
     Returns:
       ``VerifyResult`` as ``verify_from_coins``.
@@ -91,6 +104,8 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if not isinstance(stats_blocks, int) or stats_blocks < 1:
         raise ValueError(f"stats_blocks must be an int >= 1, got {stats_blocks!r}")
+    if not isinstance(parallel_rows, int) or parallel_rows < 0:
+        raise ValueError(f"parallel_rows must be an int >= 0, got {parallel_rows!r}")
     batch, num_nodes = tree.tokens.shape
     if target_logits_BNV.ndim != 3 or target_logits_BNV.shape[:2] != (batch, num_nodes):
         raise ValueError(f"target_logits must be [B={batch}, N={num_nodes}, V], got "
@@ -108,6 +123,7 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
                                jnp.asarray(top_k_B, jnp.int32), jnp.asarray(top_p_B, jnp.float32),
                                max_depth=tree.max_depth, block_v=block_v, num_warps=num_warps,
                                num_stages=num_stages, capacity=capacity, stats_blocks=stats_blocks,
+                               parallel_rows=parallel_rows,
                                interpret=backend == "interpret")
 
 
@@ -194,24 +210,24 @@ def _nth_id(in_set, n, ids, none):
     return jnp.min(jnp.where(in_set & (rank == n), ids, none))
 
 
-def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
-                   coins_ref, max_ref, argmax_ref, mass_ref, block_mass_ref, logits_ref, _, rejected_ref,
-                   cand_z_ref, cand_id_ref, accept_ref, emitted_ref, *, vocab, block_v, draw_block, capacity,
-                   num_nodes, max_depth, interpret):
-    """Program b: the whole walk and final draw of request b."""
+def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
+                   coins_ref, max_ref, argmax_ref, mass_ref, num_ref, block_mass_ref, logits_ref, _rejected, _z, _id,
+                   rejected_ref, cand_z_ref, cand_id_ref, accept_ref, emitted_ref, *, vocab, block_v, draw_block,
+                   capacity, num_nodes, max_depth, prepared, interpret):
+    """Program b: the whole walk and final draw of request b. ``prepared``: the candidates of every
+    truncated row come found (``num_ref``, ``cand_*_ref[row]``); else the walk finds those of the
+    rows it visits, in ``cand_*_ref[0]``."""
     nodes_pad = tokens_ref.shape[0]
     block_c = _candidate_block(block_v)
     temperature = temperature_ref[()]
     greedy = temperature <= 0.0
-    divisor = jnp.where(greedy, 1.0, temperature)
+    scale = scale_ref[()]
     top_k, top_p = top_k_ref[()], top_p_ref[()]
-    use_k = ~greedy & (top_k > 0) & (top_k < vocab)
-    use_p = ~greedy & (top_p < 1.0)
+    use_k, use_p = _truncation(temperature, top_k, top_p, vocab)
     node_ids = jnp.arange(nodes_pad)
     tokens = tokens_ref[...]
     parents = parents_ref[...]
     coins = coins_ref[...]
-    slots = jnp.arange(capacity)
 
     def at_node(x_N, cur):
         return jnp.sum(jnp.where(node_ids == cur, x_N, 0))
@@ -224,7 +240,7 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         ids = start + jnp.arange(size)
         valid = ids < vocab
         x = plt.load(logits_ref.at[cur, pl.ds(start, size)], mask=valid, other=0)
-        return ids, valid, x.astype(jnp.float32) / divisor
+        return ids, valid, x.astype(jnp.float32) * scale
 
     def fold_row(cur, fn, init, size=block_v):
         """Fold ``fn(carry, ids, valid, z, block)`` over the vocabulary blocks of row ``cur``."""
@@ -241,70 +257,53 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         return fold_row(cur, lambda s, ids, valid, z, i: s + jnp.sum(
             jnp.where(valid & pred(_order_key(z), ids), jnp.exp(z - m), 0.0)), jnp.float32(0.0))
 
-    # --- truncation by candidates: few passes, then exact searches in registers -----------------
-    def floor_pass(cur, m, floors_F):
-        """Count and mass of the tokens with ``z >= floor``, for each of the F floors."""
-        def step(carry, ids, valid, z, i):
-            count_F, mass_F = carry
-            ge_FV = valid[None, :] & (z[None, :] >= floors_F[:, None])
-            e_V = jnp.exp(z - m)
-            return (count_F + jnp.sum(ge_FV.astype(jnp.int32), axis=1),
-                    mass_F + jnp.sum(jnp.where(ge_FV, e_V[None, :], 0.0), axis=1))
-        init = (jnp.zeros((_FLOORS,), jnp.int32), jnp.zeros((_FLOORS,), jnp.float32))
-        return fold_row(cur, step, init, size=block_c)
+    # --- truncation by candidates: exact searches in registers ------------------------------------
+    def cand_row(cur):
+        return cur if prepared else jnp.int32(0)
 
-    def candidate_floor(cur, m, holds):
-        """A floor L such that the kept set lies in ``{z >= L}`` (``holds(count, mass)``) and at most
-        ``capacity`` tokens reach it: geometric floors below the max, then up to two linear
-        refinements between the lowest failing and highest holding floor."""
-        steps_F = jnp.arange(_FLOORS).astype(jnp.float32)
-        geometric_F = m - 0.25 * jnp.exp(0.5 * _LN2 * steps_F)
-
-        def body(carry):
+    def find_candidates(cur, m, total_all):
+        """The floor search and compaction of row ``cur`` by passes of this program; returns the
+        number of candidates, -1 if no floor confines the kept set to ``capacity`` tokens."""
+        def search(carry):
             p, lo, hi, count_lo, _ = carry
-            floors_F = jnp.where(p == 0, geometric_F, hi - (hi - lo) * steps_F / _FLOORS)
-            count_F, mass_F = floor_pass(cur, m, floors_F)
-            ok_F = holds(count_F, mass_F)
-            any_ok = jnp.max(ok_F.astype(jnp.int32)) > 0
-            first = jnp.min(jnp.where(ok_F, jnp.arange(_FLOORS), _FLOORS))
-            pick = lambda x_F, j: jnp.sum(jnp.where(jnp.arange(_FLOORS) == j, x_F, 0))  # noqa: E731
-            lo_new = lax.select(any_ok, pick(floors_F, first), lo)
-            count_new = lax.select(any_ok, pick(count_F, first), count_lo)
-            above = lax.select(first > 0, pick(floors_F, first - 1), hi)
-            hi_new = lax.select(any_ok, above, pick(floors_F, _FLOORS - 1))
-            return p + 1, lo_new, hi_new, count_new, count_new <= capacity
-
-        def more(carry):
-            p, lo, _, _, found = carry
-            return (p < _FLOOR_PASSES) & ~found & ((p == 0) | (lo > -jnp.inf))
+            floors_F = _pass_floors(p, m, lo, hi)
+            count_F, mass_F = fold_row(cur, lambda acc, ids, valid, z, i: jax.tree.map(
+                jnp.add, acc, _floor_counts(valid, z, floors_F, m)), (jnp.zeros((_FLOORS,), jnp.int32),
+                                                                        jnp.zeros((_FLOORS,), jnp.float32)),
+                size=block_c)
+            ok_F = _holds(count_F, mass_F, use_k, top_k, top_p, total_all)
+            return (p + 1, *_refine(lo, hi, count_lo, floors_F, count_F, ok_F, capacity)[:4])
 
         init = (jnp.int32(0), jnp.float32(-jnp.inf), m, jnp.int32(vocab), jnp.bool_(vocab <= capacity))
-        _, lo, _, count_lo, found = lax.while_loop(more, body, init)
-        return found, lo, count_lo
+        _, lo, _, num, found = lax.while_loop(lambda c: _searching(c[0], c[1], c[4]), search, init)
 
-    def compact(cur, floor):
-        """Writes the tokens with ``z >= floor`` (in id order) to the candidate scratch."""
-        def step(base, ids, valid, z, i):
-            sel = valid & (z >= floor)
-            pos = base + jnp.cumsum(sel.astype(jnp.int32)) - 1
-            # Unselected lanes write to their own spare slot past ``capacity``: a masked scatter
-            # may write old values back over duplicates.
-            slot = jnp.where(sel, pos, capacity + jnp.arange(block_c))
-            plt.store(cand_z_ref.at[slot], z)
-            plt.store(cand_id_ref.at[slot], ids)
-            return base + jnp.sum(sel.astype(jnp.int32))
-        fold_row(cur, step, jnp.int32(0), size=block_c)
-        barrier()
+        def compact():
+            def step(base, ids, valid, z, i):
+                sel = valid & (z >= lo)
+                _store_candidates(cand_z_ref, cand_id_ref, cand_row(cur), ids, z, sel, base, capacity)
+                return base + jnp.sum(sel.astype(jnp.int32))
+            fold_row(cur, step, jnp.int32(0), size=block_c)
+            barrier()
+            return num
+        return _when(found, compact, jnp.int32(-1))
 
-    def candidates(m, num):
+    def in_slots(num, fn):
+        """``fn(size)`` for the fewer of ``_FEW_SLOTS`` or ``capacity`` slots that hold ``num``
+        candidates: the searches work on every slot they load."""
+        few = min(_FEW_SLOTS, capacity)
+        return fn(capacity) if few == capacity else _either(num <= few, lambda: fn(few), lambda: fn(capacity))
+
+    def candidates(cur, m, num, size):
+        slots = jnp.arange(size)
         live = slots < num
-        z = jnp.where(live, cand_z_ref[pl.ds(0, capacity)], -jnp.inf)
-        ids = jnp.where(live, cand_id_ref[pl.ds(0, capacity)], vocab)
-        return live, ids, _order_key(z), jnp.where(live, jnp.exp(z - m), 0.0)
+        z = jnp.where(live, plt.load(cand_z_ref.at[cand_row(cur), pl.ds(0, size)]), -jnp.inf)
+        ids = jnp.where(live, plt.load(cand_id_ref.at[cand_row(cur), pl.ds(0, size)]), vocab)
+        return slots, live, ids, _order_key(z), jnp.where(live, jnp.exp(z - m), 0.0)
 
-    def candidate_boundary(m, total_all, num):
-        """Top-k then top-p boundary and kept mass, from the ``num`` candidates in registers."""
-        live, ids, key, e = candidates(m, num)
+    def candidate_boundary(cur, m, total_all, num, size):
+        """Top-k then top-p boundary and kept mass, from the ``num`` candidates of row ``cur`` in
+        registers (``size`` slots)."""
+        _, live, ids, key, e = candidates(cur, m, num, size)
         w, c = jnp.int32(_INT_MIN), jnp.int32(vocab)
 
         def top_k_boundary():
@@ -373,16 +372,9 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         def sampled_stats():
 
             def truncated():
-                def holds(count_F, mass_F):
-                    # the margin covers the rounding between this pass's sums and the searches'
-                    return jnp.where(use_k, count_F >= top_k, mass_F >= top_p * total_all * 1.0001)
-                found, floor, num = candidate_floor(cur, m, holds)
-
-                def from_candidates():
-                    compact(cur, floor)
-                    return (*candidate_boundary(m, total_all, num), num)
-
-                return _either(found, from_candidates,
+                num = at_node(num_ref[...], cur) if prepared else find_candidates(cur, m, total_all)
+                return _either(num >= 0, lambda: (*in_slots(num, functools.partial(
+                    candidate_boundary, cur, m, total_all, num)), num),
                                lambda: (*streamed_boundary(cur, m), jnp.int32(-1)))
 
             untruncated = (jnp.int32(_INT_MIN), jnp.int32(vocab), total_all, jnp.int32(-1))
@@ -399,7 +391,7 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         stats = _when(active, lambda: row_stats(cur), stats)
         m, w, c, total, _ = stats
         is_child = children(cur)
-        z = plt.load(logits_ref.at[cur, tokens]).astype(jnp.float32) / divisor
+        z = plt.load(logits_ref.at[cur, tokens]).astype(jnp.float32) * scale
         q = jnp.where(is_child & _kept(_order_key(z), tokens, w, c), jnp.exp(z - m) / total, 0.0)
         coin = at_node(coins, cur)
         hit = is_child & (coin <= jnp.cumsum(q))
@@ -431,16 +423,16 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
     final_coin = final_coin_ref[()]
 
     # --- the final draw: from the residual (kept set minus rejected children), in id order -----
-    def candidate_draw():
-        live, ids, key, e = candidates(m, num)
+    def candidate_draw(size):
+        slots, live, ids, key, e = candidates(cur, m, num, size)
         kept = live & _kept(key, ids, w, c)
         marked = plt.load(rejected_ref.at[jnp.where(live, ids, 0)])
         left_C = jnp.where(kept & (marked == 0), e, 0.0)
         left_C = jnp.where(jnp.sum(left_C) > 0.0, left_C, jnp.where(kept, e, 0.0))
         cum = jnp.cumsum(left_C)
-        crossing = jnp.min(jnp.where(live & (cum >= final_coin * jnp.sum(left_C)), slots, capacity))
+        crossing = jnp.min(jnp.where(live & (cum >= final_coin * jnp.sum(left_C)), slots, size))
         # The cumulative sum may round below the sum it is compared with.
-        pick = lax.select(crossing < capacity, crossing, jnp.max(jnp.where(left_C > 0.0, slots, -1)))
+        pick = lax.select(crossing < size, crossing, jnp.max(jnp.where(left_C > 0.0, slots, -1)))
         return jnp.sum(jnp.where(slots == pick, ids, 0))
 
     def residual(start, ids, valid, z, exclude):
@@ -496,7 +488,8 @@ def _sample_kernel(temperature_ref, top_k_ref, top_p_ref, final_coin_ref, tokens
         return draw_residual(sums_K, lambda: full_K, draw_block)
 
     def sampled_draw():
-        return _either(num >= 0, candidate_draw, lambda: _either(use_k | use_p, streamed_draw, presummed_draw))
+        return _either(num >= 0, lambda: in_slots(num, candidate_draw),
+                       lambda: _either(use_k | use_p, streamed_draw, presummed_draw))
 
     token = _either(greedy, lambda: c - 1, sampled_draw)
     accept_ref[...] = accept
@@ -518,21 +511,21 @@ def _draw_block(block_v: int) -> int:
     return min(block_v, _DRAW_BLOCK)
 
 
-def _block_stats_kernel(divisor_ref, logits_ref, max_ref, argmax_ref, mass_ref, *, vocab, block, blocks):
+def _block_stats_kernel(scale_ref, logits_ref, max_ref, argmax_ref, mass_ref, *, vocab, block, blocks):
     """Program (row r, j): for each of the blocks ``j * blocks + g`` (g < ``blocks``), the max of
-    ``z = logits / divisor`` over the block, its first argmax and ``sum exp(z - block max)``
+    ``z = logits * scale`` over the block, its first argmax and ``sum exp(z - block max)``
     (``-inf``, ``vocab`` and 0 for a block past the vocabulary)."""
     slot_G = jnp.arange(blocks)
     max_G = jnp.full((blocks,), -jnp.inf, jnp.float32)
     argmax_G = jnp.full((blocks,), vocab, jnp.int32)
     mass_G = jnp.zeros((blocks,), jnp.float32)
-    divisor = divisor_ref[()]
+    scale = scale_ref[()]
     for g in range(blocks):
         start = (pl.program_id(1) * blocks + g) * block
         ids = start + jnp.arange(block)
         valid = ids < vocab
         x = plt.load(logits_ref.at[pl.ds(start, block)], mask=valid, other=0)
-        z = jnp.where(valid, x.astype(jnp.float32) / divisor, -jnp.inf)
+        z = jnp.where(valid, x.astype(jnp.float32) * scale, -jnp.inf)
         m = jnp.max(z)
         max_G = jnp.where(slot_G == g, m, max_G)
         argmax_G = jnp.where(slot_G == g, jnp.min(jnp.where(valid & (z == m), ids, vocab)), argmax_G)
@@ -542,15 +535,15 @@ def _block_stats_kernel(divisor_ref, logits_ref, max_ref, argmax_ref, mass_ref, 
     mass_ref[...] = mass_G
 
 
-def _row_stats(logits_BNV, temperature_B, draw_block, num_warps, interpret, blocks=1):
-    """Per node row: ``max z`` (``z = logits / T``, ``/ 1`` for greedy requests), its first argmax,
-    ``sum exp(z - max)``, and that sum per ``draw_block``-entry block (``[B, N, K]``, K a power of
-    two, zero-padded). One read of the logits, one program per row and ``blocks`` blocks: the whole
+def _row_stats(logits_BNV, scale_B, draw_block, num_warps, interpret, blocks=1):
+    """Per node row: ``max z`` (``z = logits * scale``, the request's inverse temperature), its
+    first argmax, ``sum exp(z - max)``, and that sum per ``draw_block``-entry block (``[B, N, K]``,
+    K a power of two, zero-padded). One read of the logits, one program per row and ``blocks`` blocks: the whole
     GPU works on it even for a single request."""
     batch, num_nodes, vocab = logits_BNV.shape
     rows, num_blocks = batch * num_nodes, pl.cdiv(vocab, draw_block)
     programs = pl.cdiv(num_blocks, blocks)
-    divisor_R = jnp.repeat(jnp.where(temperature_B <= 0.0, 1.0, temperature_B), num_nodes)
+    scale_R = jnp.repeat(scale_B, num_nodes)
     per_program = pl.BlockSpec((None, blocks), lambda r, j: (r, j))
     max_RK, argmax_RK, mass_RK = (x[:, :num_blocks] for x in pl.pallas_call(
         functools.partial(_block_stats_kernel, vocab=vocab, block=draw_block, blocks=blocks), grid=(rows, programs),
@@ -560,7 +553,7 @@ def _row_stats(logits_BNV, temperature_B, draw_block, num_warps, interpret, bloc
                                                                                         jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=min(num_warps, 4), num_stages=1),
         interpret=interpret, name="tree_sample_row_stats",
-    )(divisor_R, logits_BNV.reshape(rows, vocab)))
+    )(scale_R, logits_BNV.reshape(rows, vocab)))
     max_R = jnp.max(max_RK, axis=1)
     first_K = jnp.argmax(max_RK == max_R[:, None], axis=1)  # the first block holding the max
     argmax_R = jnp.take_along_axis(argmax_RK, first_K[:, None], axis=1)[:, 0]
@@ -571,43 +564,203 @@ def _row_stats(logits_BNV, temperature_B, draw_block, num_warps, interpret, bloc
             mass_RK.reshape(*shape, -1))
 
 
+def _truncation(temperature_R, top_k_R, top_p_R, vocab):
+    """Per row: whether top-k is on, whether top-p is on (both off for greedy rows)."""
+    sampled = temperature_R > 0.0
+    return sampled & (top_k_R > 0) & (top_k_R < vocab), sampled & (top_p_R < 1.0)
+
+
+# --- the floor search of truncated rows, shared by the whole-GPU passes and the walk's own ----------
+def _holds(count_F, mass_F, use_k, top_k, top_p, total):
+    """Floors that the kept set lies above: at least k tokens reach them (top-k), else at least
+    ``top_p`` of the mass (with a margin for the rounding between these sums and the searches')."""
+    return jnp.where(use_k, count_F >= top_k, mass_F >= top_p * total * 1.0001)
+
+
+def _pass_floors(p, m, lo, hi):
+    """The ``F`` floors of pass ``p`` of a row with max ``m``: geometric below the max, then linear
+    between the highest floor found to hold (``lo``) and the one above it (``hi``)."""
+    steps_F = jnp.arange(_FLOORS).astype(jnp.float32)
+    return jnp.where(p == 0, m - 0.25 * jnp.exp(0.5 * _LN2 * steps_F), hi - (hi - lo) * steps_F / _FLOORS)
+
+
+def _searching(p, lo, found):
+    """Whether pass ``p`` runs: no floor confines the kept set to the candidate slots yet, and the
+    geometric pass found a floor that holds."""
+    return (p < _FLOOR_PASSES) & ~found & ((p == 0) | (lo > -jnp.inf))
+
+
+def _refine(lo, hi, count_lo, floors_F, count_F, ok_F, capacity):
+    """After a pass: ``(lo, hi, count_lo, found, first)``, ``first`` the highest floor that holds
+    (``F`` if none), ``count_lo`` the tokens above ``lo``, ``found`` whether they fit ``capacity``."""
+    index_F = jnp.arange(_FLOORS)
+    first = jnp.min(jnp.where(ok_F, index_F, _FLOORS))
+    pick = lambda x_F, j: jnp.sum(jnp.where(index_F == j, x_F, 0))  # noqa: E731
+    any_ok = first < _FLOORS
+    lo = lax.select(any_ok, pick(floors_F, first), lo)
+    count_lo = lax.select(any_ok, pick(count_F, first), count_lo)
+    above = lax.select(first > 0, pick(floors_F, first - 1), hi)
+    hi = lax.select(any_ok, above, pick(floors_F, _FLOORS - 1))
+    return lo, hi, count_lo, count_lo <= capacity, first
+
+
+def _floor_counts(valid, z, floors_F, m):
+    """Count and mass ``sum exp(z - m)`` of a block's tokens with ``z >= floor``, per floor."""
+    ge_FV = valid[None, :] & (z[None, :] >= floors_F[:, None])
+    return (jnp.sum(ge_FV.astype(jnp.int32), axis=1),
+            jnp.sum(jnp.where(ge_FV, jnp.exp(z - m)[None, :], 0.0), axis=1))
+
+
+def _store_candidates(cand_z_ref, cand_id_ref, row, ids, z, sel, base, capacity):
+    """Writes the ``sel`` lanes of a block to candidate slots ``base, base + 1, ...`` of ``row``."""
+    # Unselected lanes aim at the spare slot ``capacity``: an interpreted masked scatter may write
+    # old values back at the indices of masked-out lanes.
+    slot = jnp.where(sel, base + jnp.cumsum(sel.astype(jnp.int32)) - 1, capacity)
+    plt.store(cand_z_ref.at[row, slot], z, mask=sel)
+    plt.store(cand_id_ref.at[row, slot], ids, mask=sel)
+
+
+# --- the floor search over the whole GPU: a program per (row, block) ---------------------------------
+def _load_z(logits_ref, scale_ref, block, j):
+    """Ids, validity and ``z = logits * scale`` of the j-th block of a row."""
+    ids = j * block + jnp.arange(block)
+    valid = ids < logits_ref.shape[0]
+    x = plt.load(logits_ref.at[pl.ds(j * block, block)], mask=valid, other=0)
+    return ids, valid, x.astype(jnp.float32) * scale_ref[()]
+
+
+def _floor_kernel(active_ref, scale_ref, max_ref, floors_ref, logits_ref, count_ref, mass_ref, *, block):
+    """Program (row r, block j) of an active row: ``_floor_counts`` of the block."""
+    j = pl.program_id(1)  # read outside the branch: the interpreter cannot lower it inside
+
+    @pl.when(active_ref[()] != 0)
+    def _():
+        _, valid, z = _load_z(logits_ref, scale_ref, block, j)
+        count_ref[...], mass_ref[...] = _floor_counts(valid, z, floors_ref[...], max_ref[()])
+
+
+def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, cand_z_ref, cand_id_ref, *, block,
+                    capacity):
+    """Program (row r, block j) of an active row: writes the block's tokens with ``z >= floor`` to
+    the row's candidate slots from ``offset`` on (the row's candidates in id order)."""
+    j = pl.program_id(1)
+
+    @pl.when(active_ref[()] != 0)
+    def _():
+        ids, valid, z = _load_z(logits_ref, scale_ref, block, j)
+        _store_candidates(cand_z_ref, cand_id_ref, 0, ids, z, valid & (z >= floor_ref[()]), offset_ref[()],
+                          capacity)
+
+
+def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, top_p_R, *, block, capacity,
+                num_warps, interpret):
+    """Candidates of the truncated rows: every kept token of the row, and at most ``capacity``.
+
+    The floor search (``_pass_floors``) over all rows at once: each pass is a program per row and
+    block (rows that need no pass return at once); then the tokens above the floor found are
+    written to the row's slots in id order, from offsets given by the per-block counts.
+
+    Returns ``num_R`` (candidates of the row; ``-1``: none, the row is untruncated or its kept
+    set is searched by passes over the row) and ``z``, ids ``[R, 1, capacity + 1]`` (slot
+    ``capacity`` is spare).
+    """
+    rows, vocab = logits_RV.shape
+    num_blocks = pl.cdiv(vocab, block)
+    per_row = pl.BlockSpec((None,), lambda r, j: (r,))
+    row = pl.BlockSpec((None, vocab), lambda r, j: (r, 0))
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+    holds = jax.vmap(_holds)
+    refine = jax.vmap(functools.partial(_refine, capacity=capacity))
+
+    lo_R = jnp.full((rows,), -jnp.inf, jnp.float32)
+    hi_R = max_R
+    count_R = jnp.full((rows,), vocab, jnp.int32)
+    found_R = jnp.full((rows,), vocab <= capacity)
+    per_block_RP = jnp.broadcast_to(jnp.minimum(block, vocab - block * jnp.arange(num_blocks)), (rows, num_blocks))
+    for p in range(_FLOOR_PASSES):
+        active_R = (use_k_R | use_p_R) & _searching(p, lo_R, found_R)
+        floors_RF = jax.vmap(functools.partial(_pass_floors, p))(max_R, lo_R, hi_R)
+        count_RPF, mass_RPF = pl.pallas_call(
+            functools.partial(_floor_kernel, block=block), grid=(rows, num_blocks),
+            in_specs=[per_row, per_row, per_row, pl.BlockSpec((None, _FLOORS), lambda r, j: (r, 0)), row],
+            out_specs=[pl.BlockSpec((None, None, _FLOORS), lambda r, j: (r, j, 0))] * 2,
+            out_shape=[jax.ShapeDtypeStruct((rows, num_blocks, _FLOORS), dtype) for dtype in (jnp.int32,
+                                                                                           jnp.float32)],
+            compiler_params=params, interpret=interpret, name="tree_sample_floors",
+        )(active_R.astype(jnp.int32), scale_R, max_R, floors_RF, logits_RV)
+        count_RF = jnp.sum(count_RPF, axis=1)
+        ok_RF = holds(count_RF, jnp.sum(mass_RPF, axis=1), use_k_R, top_k_R, top_p_R, mass_R)
+        *state, first_R = refine(lo_R, hi_R, count_R, floors_RF, count_RF, ok_RF)
+        at_first_RP = jnp.take_along_axis(count_RPF, jnp.minimum(first_R, _FLOORS - 1)[:, None, None], axis=2)[..., 0]
+        per_block_RP = jnp.where((active_R & (first_R < _FLOORS))[:, None], at_first_RP, per_block_RP)
+        lo_R, hi_R, count_R, found_R = (jnp.where(active_R, new, old) for new, old in zip(
+            state, (lo_R, hi_R, count_R, found_R)))
+
+    compact_R = (use_k_R | use_p_R) & found_R
+    slots = pl.BlockSpec((None, 1, capacity + 1), lambda r, j: (r, 0, 0))
+    cand_shape = [jax.ShapeDtypeStruct((rows, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)]
+    cand_z_R1C, cand_id_R1C = pl.pallas_call(
+        functools.partial(_compact_kernel, block=block, capacity=capacity), grid=(rows, num_blocks),
+        in_specs=[per_row, per_row, per_row, pl.BlockSpec((None, None), lambda r, j: (r, j)), row],
+        out_specs=[slots, slots], out_shape=cand_shape,
+        compiler_params=params, interpret=interpret, name="tree_sample_candidates",
+    )(compact_R.astype(jnp.int32), scale_R, lo_R, jnp.cumsum(per_block_RP, axis=1) - per_block_RP, logits_RV)
+    return jnp.where(compact_R, count_R, -1), cand_z_R1C, cand_id_R1C
+
+
 @functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
-                                              "capacity", "stats_blocks", "interpret"))
+                                              "capacity", "stats_blocks", "parallel_rows", "interpret"))
 def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins_B, temperature_B,
                         top_k_B, top_p_B, *, max_depth, block_v, num_warps, num_stages, capacity,
-                        interpret, stats_blocks=1):
+                        interpret, stats_blocks=1, parallel_rows=PARALLEL_ROWS):
     batch, num_nodes, vocab = logits_BNV.shape
     nodes_pad = _pow2_at_least(num_nodes)
     depth_pad = _pow2_at_least(max_depth + 2)
     block_v = min(block_v, _pow2_at_least(vocab))
-    spare = _candidate_block(block_v)  # compaction's spare slots: one block
     draw_block = _draw_block(block_v)
     pad_nodes = lambda x, value: jnp.pad(  # noqa: E731
         x, ((0, 0), (0, nodes_pad - num_nodes)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
-    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits_BNV, temperature_B, draw_block, num_warps,
-                                                             interpret, stats_blocks)
+    scale_B = inverse_temperature(temperature_B)
+    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits_BNV, scale_B, draw_block, num_warps, interpret,
+                                                             stats_blocks)
+    per_row = lambda x_B: jnp.repeat(x_B, num_nodes)  # noqa: E731
+    use_k_R, use_p_R = _truncation(per_row(temperature_B), per_row(top_k_B), per_row(top_p_B), vocab)
+    prepared = batch * num_nodes <= parallel_rows
+    cand_rows = num_nodes if prepared else 1
+    none = (jnp.full((batch * num_nodes,), -1, jnp.int32),
+            *(jnp.zeros((batch * cand_rows, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)))
+    if prepared:
+        num_R, cand_z_R1C, cand_id_R1C = lax.cond(jnp.any(use_k_R | use_p_R), lambda: _candidates(
+            logits_BNV.reshape(batch * num_nodes, vocab), per_row(scale_B), max_BN.reshape(-1), mass_BN.reshape(-1),
+            use_k_R, use_p_R, per_row(top_k_B), per_row(top_p_B), block=_candidate_block(block_v),
+            capacity=capacity, num_warps=num_warps, interpret=interpret), lambda: none)
+    else:
+        num_R, cand_z_R1C, cand_id_R1C = none
     kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, draw_block=draw_block,
-                               capacity=capacity, num_nodes=num_nodes, max_depth=max_depth, interpret=interpret)
+                               capacity=capacity, num_nodes=num_nodes, max_depth=max_depth, prepared=prepared,
+                               interpret=interpret)
     scalar = pl.BlockSpec((None,), lambda b: (b,))
     per_node = pl.BlockSpec((None, nodes_pad), lambda b: (b, 0))
     row = lambda n: pl.BlockSpec((None, n), lambda b: (b, 0))  # noqa: E731
+    rows = lambda shape: pl.BlockSpec((None, *shape), lambda b: (b,) + (0,) * len(shape))  # noqa: E731
+    cand_shape = (batch, cand_rows, capacity + 1)
+    cands = [cand_z_R1C.reshape(cand_shape), cand_id_R1C.reshape(cand_shape)]
     out_shape = [jax.ShapeDtypeStruct((batch, vocab), jnp.int8),  # rejected-token marks
-                 jax.ShapeDtypeStruct((batch, capacity + spare), jnp.float32),  # candidates' z
-                 jax.ShapeDtypeStruct((batch, capacity + spare), jnp.int32),  # candidates' ids
+                 *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in cands),
                  jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32),
                  jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32)]
     *_, accept_BD, emitted_BD = pl.pallas_call(
         kernel, grid=(batch,),
-        in_specs=[scalar, scalar, scalar, scalar, per_node, per_node, per_node, per_node, per_node, per_node,
-                  pl.BlockSpec((None, nodes_pad, block_mass_BNK.shape[2]), lambda b: (b, 0, 0)),
-                  pl.BlockSpec((None, num_nodes, vocab), lambda b: (b, 0, 0)), row(vocab)],
-        out_specs=[row(x.shape[1]) for x in out_shape], out_shape=out_shape,
-        input_output_aliases={12: 0},
+        in_specs=[scalar] * 5 + [per_node] * 7 + [rows((nodes_pad, block_mass_BNK.shape[2])),
+                                                   rows((num_nodes, vocab)), row(vocab)] + [rows(cand_shape[1:])] * 2,
+        out_specs=[rows(x.shape[1:]) for x in out_shape], out_shape=out_shape,
+        input_output_aliases={14: 0, 15: 1, 16: 2},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="tree_sample",
-    )(temperature_B, top_k_B, top_p_B, final_coins_B, pad_nodes(tokens_BN, 0), pad_nodes(parents_BN, -1),
+    )(temperature_B, scale_B, top_k_B, top_p_B, final_coins_B, pad_nodes(tokens_BN, 0), pad_nodes(parents_BN, -1),
       pad_nodes(coins_BN, 1.0), pad_nodes(max_BN, 0.0), pad_nodes(argmax_BN, 0), pad_nodes(mass_BN, 1.0),
-      pad_nodes(block_mass_BNK, 0.0), logits_BNV, jnp.zeros((batch, vocab), jnp.int8))
+      pad_nodes(num_R.reshape(batch, num_nodes), -1), pad_nodes(block_mass_BNK, 0.0), logits_BNV,
+      jnp.zeros((batch, vocab), jnp.int8), *cands)
     return _verify_result(accept_BD[:, :max_depth + 1], emitted_BD[:, :max_depth + 1], num_nodes)
 
 

@@ -1,5 +1,6 @@
 """Fused tree sampling (interpret mode on CPU) vs the jnp path ``verify_from_coins``."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -10,10 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ddtree_jax.sampling import inverse_temperature
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_sampling import _row_stats, _tree_sample_pallas, tree_sample
+from pallas_kernels.tree_sampling import (PARALLEL_ROWS, _candidates, _row_stats, _tree_sample_pallas, _truncation,
+                                          tree_sample)
 
 FIELDS = ("accept_index", "num_accepted", "predicts", "emitted", "bonus")
 
@@ -67,17 +70,20 @@ def test_mixed_parameters_match_jnp_path(seed, stats_blocks):
     assert_same(tree, logits, coins, final, *params(*MIXED), block_v=64, stats_blocks=stats_blocks)
 
 
+@pytest.mark.parametrize("parallel_rows", [0, PARALLEL_ROWS])
 @pytest.mark.parametrize("capacity", [16, 64, 512])
 @pytest.mark.parametrize("seed", range(2))
-def test_truncation_by_candidates_and_by_passes(seed, capacity):
+def test_truncation_by_candidates_and_by_passes(seed, capacity, parallel_rows):
     """A vocabulary larger than the candidate scratch: kept sets are found from candidate floors
-    (geometric, then refined) and searched in registers, or, when more tokens than ``capacity``
-    reach every usable floor, by bit searches over the whole row."""
+    (geometric, then refined; by the walk, or over the whole GPU before it) and searched in
+    registers, or, when more tokens than ``capacity`` reach every usable floor, by bit searches
+    over the whole row."""
     rows = [(1.0, 5, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.5), (1.3, 0, 0.9), (0.6, 40, 0.8), (1.0, 0, 0.99),
             (1.0, 300, 1.0), (0.3, 0, 0.95), (2.0, 1, 1.0), (1.0, 12, 0.2)]
     tree, logits, coins, final = make_round(seed, batch=len(rows), depth=4, vocab=3000, budget=10,
                                             logit_scale=4.0, agree=8.0)
-    assert_same(tree, logits, coins, final, *params(*rows), block_v=256, capacity=capacity)
+    assert_same(tree, logits, coins, final, *params(*rows), block_v=256, capacity=capacity,
+                parallel_rows=parallel_rows)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 10])  # seed 10 failed before the fix
@@ -95,17 +101,21 @@ request_params = st.tuples(st.sampled_from([0.0, 0.4, 1.0, 1.7]), st.sampled_fro
 # Derandomized: a fixed set of draws, so the suite is reproducible. A random draw once found a
 # mismatch (vocab 150, block 256, capacity 16, logits on a 0.5 grid, T 1.7 / top-p 0.6) that is an
 # artefact of compiling the interpreted kernel for the CPU: the same case agrees with the jnp path
-# with jit disabled, with a debug print added, or with XLA's algebraic simplifier turned off.
+# with jit disabled, with a debug print added, or with XLA's algebraic simplifier turned off. (Both
+# paths then divided by the temperature, which XLA on the CPU computes differently in different
+# programs; both now multiply by its reciprocal.)
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), vocab=st.integers(17, 700), block_v=st.sampled_from([16, 64, 256]),
        capacity=st.sampled_from([16, 32, 128, 1024]), tie_step=st.sampled_from([None, 0.5]),
+       parallel_rows=st.sampled_from([0, PARALLEL_ROWS]),
        rows=st.lists(request_params, min_size=1, max_size=4))
-def test_random_shapes_and_parameters_match_jnp_path(seed, vocab, block_v, capacity, tie_step, rows):
+def test_random_shapes_and_parameters_match_jnp_path(seed, vocab, block_v, capacity, tie_step, parallel_rows, rows):
     """Any vocabulary, block and candidate capacity, with and without ties: the same walk and
     tokens as the jnp path (candidates in registers, refined floors or bit-search passes)."""
     tree, logits, coins, final = make_round(seed, batch=len(rows), depth=3, vocab=vocab, budget=6,
                                             logit_scale=3.0, tie_step=tie_step, agree=4.0)
-    assert_same(tree, logits, coins, final, *params(*rows), block_v=block_v, capacity=capacity)
+    assert_same(tree, logits, coins, final, *params(*rows), block_v=block_v, capacity=capacity,
+                parallel_rows=parallel_rows)
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -120,10 +130,10 @@ def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype, blocks)
     logits = 3.0 * rng.standard_normal((2, 3, vocab))
     logits = np.round(logits / tie_step) * tie_step if tie_step else logits
     logits = jnp.asarray(logits, dtype)
-    temperature = jnp.asarray([0.0, 0.7], jnp.float32)  # greedy rows divide by 1
-    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits, temperature, block, 4, True, blocks)
-    # the processed rows as the jnp path divides them (NumPy's division may differ in the last bit)
-    z = np.asarray(logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None, None])
+    temperature = jnp.asarray([0.0, 0.7], jnp.float32)
+    scale = inverse_temperature(temperature)  # greedy rows: 1
+    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits, scale, block, 4, True, blocks)
+    z = np.asarray(logits, np.float32) * np.asarray(scale)[:, None, None]
     np.testing.assert_array_equal(np.asarray(max_BN), z.max(-1))
     np.testing.assert_array_equal(np.asarray(argmax_BN), z.argmax(-1))
     e = np.exp(z - z.max(-1, keepdims=True))
@@ -135,6 +145,49 @@ def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype, blocks)
     np.testing.assert_allclose(np.asarray(mass_BN), e.sum(-1), rtol=1e-5)
 
 
+CANDIDATE_ROWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 3, 1.0), (0.7, 40, 1.0), (1.0, 0, 0.3), (1.3, 0, 0.9),
+                  (0.5, 20, 0.8), (2.0, 1000, 1.0), (1.0, 0, 0.999)]
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), vocab=st.integers(1, 700), block=st.sampled_from([16, 64, 256]),
+       capacity=st.sampled_from([16, 64, 1024]), tie_step=st.sampled_from([None, 1.0]))
+def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, tie_step):
+    """The candidate pass: a truncated row's candidates are, in id order, all the tokens above a
+    floor, at most ``capacity``, and they hold its kept set (top-k: at least k tokens; top-p: at
+    least ``top_p`` of the mass); greedy and untruncated rows have none. Small top-k always finds
+    candidates."""
+    rng = np.random.default_rng(seed)
+    logits = 3.0 * rng.standard_normal((len(CANDIDATE_ROWS), vocab)).astype(np.float32)
+    logits = np.round(logits / tie_step) * tie_step if tie_step else logits
+    t, k, p = params(*CANDIDATE_ROWS)
+    scale = inverse_temperature(t)
+    max_BN, _, mass_BN, _ = _row_stats(jnp.asarray(logits)[:, None], scale, block, 4, True)
+    use_k, use_p = _truncation(t, k, p, vocab)
+    num, cand_z, cand_id = _candidates(jnp.asarray(logits), scale, max_BN[:, 0], mass_BN[:, 0], use_k, use_p, k, p,
+                                       block=block, capacity=capacity, num_warps=4, interpret=True)
+    num, cand_z, cand_id = np.asarray(num), np.asarray(cand_z)[:, 0], np.asarray(cand_id)[:, 0]
+    z = logits * np.asarray(scale)[:, None]
+    for r, (temperature, top_k, top_p) in enumerate(CANDIDATE_ROWS):
+        truncated = temperature > 0 and (0 < top_k < vocab or top_p < 1)
+        if not truncated:
+            assert num[r] == -1, r
+            continue
+        if top_k and top_k <= 3 and not tie_step:
+            assert num[r] >= 0, r
+        if num[r] < 0:
+            continue
+        ids = cand_id[r, :num[r]]
+        assert 1 <= num[r] <= capacity
+        np.testing.assert_array_equal(ids, np.flatnonzero(z[r] >= z[r, ids].min()), err_msg=str(r))
+        np.testing.assert_array_equal(cand_z[r, :num[r]], z[r, ids])
+        e = np.exp(z[r].astype(np.float64) - z[r].max())
+        if 0 < top_k < vocab:
+            assert num[r] >= top_k, r
+        else:
+            assert e[ids].sum() >= top_p * e.sum() * 1.00005, r
+
+
 def test_ties_at_top_k_and_top_p_boundaries():
     """Integer logits: dozens of tokens share the boundary value of most kept sets."""
     rows = [(1.0, 7, 1.0), (1.0, 20, 1.0), (1.0, 0, 0.3), (1.0, 0, 0.6), (1.0, 12, 0.5),
@@ -142,7 +195,9 @@ def test_ties_at_top_k_and_top_p_boundaries():
     tree, logits, coins, final = make_round(11, batch=len(rows), depth=3, vocab=257, budget=9,
                                             logit_scale=1.0, tie_step=1.0)
     for capacity in (16, 64, 2048):  # by passes, refined floors, everything a candidate
-        assert_same(tree, logits, coins, final, *params(*rows), block_v=32, capacity=capacity)
+        for parallel_rows in (0, PARALLEL_ROWS):
+            assert_same(tree, logits, coins, final, *params(*rows), block_v=32, capacity=capacity,
+                        parallel_rows=parallel_rows)
 
 
 def test_long_accepted_paths_and_depth_limit():
@@ -173,7 +228,8 @@ def test_auto_is_the_jnp_path_on_cpu_and_jits():
 @pytest.mark.parametrize("kwargs, match", [(dict(backend="cuda"), "backend"),
                                            (dict(block_v=100), "block_v"),
                                            (dict(capacity=8), "capacity"), (dict(num_warps=6), "num_warps"),
-                                           (dict(num_stages=0), "num_stages"), (dict(stats_blocks=0), "stats_blocks")])
+                                           (dict(num_stages=0), "num_stages"), (dict(stats_blocks=0), "stats_blocks"),
+                                           (dict(parallel_rows=-1), "parallel_rows")])
 def test_invalid_arguments(kwargs, match):
     tree, logits, coins, final = make_round(0, batch=1, depth=2, vocab=50, budget=3)
     with pytest.raises(ValueError, match=match):
@@ -184,7 +240,8 @@ def test_invalid_arguments(kwargs, match):
 
 @pytest.mark.parametrize("dtype, stats_blocks", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.float32, 16)])
 def test_lowers_to_valid_triton_ir(dtype, stats_blocks):
-    """Qwen3-sized vocabulary: the kernel lowers to Triton IR that the MLIR verifier accepts."""
+    """Qwen3-sized vocabulary: the kernels (statistics, floors, candidates, walk) lower to Triton IR
+    that the MLIR verifier accepts."""
     batch, nodes, vocab = 4, 65, 151936
     s = jax.ShapeDtypeStruct
     args = [s((batch, nodes), jnp.int32), s((batch, nodes), jnp.int32), s((batch, nodes, vocab), dtype),
@@ -192,8 +249,10 @@ def test_lowers_to_valid_triton_ir(dtype, stats_blocks):
             s((batch,), jnp.int32), s((batch,), jnp.float32)]
     fn = lambda *a: _tree_sample_pallas(*a, max_depth=8, block_v=32768, num_warps=16, num_stages=1,  # noqa: E731
                                         capacity=2048, interpret=False, stats_blocks=stats_blocks)
-    row_stats, walk = verified_triton_modules(fn, *args)
-    assert "tt.reduce" in row_stats and "tt.scan" in walk
+    modules = {re.search(r"tt.func public @(\w+)", m).group(1): m for m in verified_triton_modules(fn, *args)}
+    assert sorted(modules) == ["tree_sample", "tree_sample_candidates", "tree_sample_floors", "tree_sample_row_stats"]
+    assert "tt.reduce" in modules["tree_sample_row_stats"] and "tt.reduce" in modules["tree_sample_floors"]
+    assert "tt.scan" in modules["tree_sample_candidates"] and "tt.scan" in modules["tree_sample"]
 
 
 def test_gpu_equality_script_sampling_checks_run_interpreted():
@@ -207,11 +266,13 @@ def test_gpu_equality_script_sampling_checks_run_interpreted():
 
 
 def test_benchmark_launch_configs():
-    """`experiments/bench_kernels.py --fused-configs`: stats_blocks may be left out (1)."""
+    """`experiments/bench_kernels.py --fused-configs`: stats_blocks and parallel_rows may be left out."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from experiments.bench_kernels import fused_config, fused_name
 
-    assert fused_config("32768:8:1") == (32768, 8, 1, 1)
-    assert fused_name(fused_config("16384:16:1:8"), 2) == "fused_16384_16_1_8"
-    with pytest.raises(ValueError, match="block_v:num_warps:num_stages"):
-        fused_config("32768:8")
+    assert fused_config("32768:8:1") == (32768, 8, 1, 1, PARALLEL_ROWS)
+    assert fused_config("32768:8:1:4") == (32768, 8, 1, 4, PARALLEL_ROWS)
+    assert fused_name(fused_config("16384:16:1:8:0"), 2) == "fused_16384_16_1_8_0"
+    for bad in ("32768:8", "1:2:3:4:5:6"):
+        with pytest.raises(ValueError, match="block_v:num_warps:num_stages"):
+            fused_config(bad)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddtree_jax import oracle
-from ddtree_jax.sampling import coins_from_keys, request_keys, target_probs
+from ddtree_jax.sampling import coins_from_keys, inverse_temperature, request_keys, target_probs
 from ddtree_jax.tree import build_tree, compile_retrieve
 from ddtree_jax.verify import (
     expected_acceptance,
@@ -104,6 +104,18 @@ def test_target_probs_and_expected_acceptance_match_oracle(case):
     np.testing.assert_allclose(
         np.asarray(expected_acceptance(tree, probs)), oracle.expected_acceptance(tree, probs), rtol=1e-5, atol=1e-6
     )
+
+
+def test_logits_are_scaled_by_the_reciprocal_temperature():
+    """``z = logits * (1 / T)`` (1 for greedy rows): one rounding, so every program (the jnp path,
+    each fused-sampler kernel, any vector width) gets the same z bit for bit."""
+    t = np.array([0.0, 0.6, 1.7, 1.0], np.float32)
+    np.testing.assert_array_equal(np.asarray(inverse_temperature(t)), np.float32(1) / np.where(t > 0, t, 1))
+    x = np.float32(16.71761)  # x / 0.6 and x * (1 / 0.6) differ in the last bit
+    assert x / np.float32(0.6) != x * (np.float32(1) / np.float32(0.6))
+    for width in (1, 8, 64):  # scalar and vectorised CPU code: the same products
+        row = jax.jit(lambda v: v * inverse_temperature(np.float32(0.6)))(np.full((width,), x))
+        assert np.all(np.asarray(row) == x * (np.float32(1) / np.float32(0.6)))
 
 
 def test_parents_from_fcns_inverts_compile_retrieve():
