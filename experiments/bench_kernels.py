@@ -225,7 +225,7 @@ def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0, noise=1.0, dtype
 
 
 def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, profile=False):
-    """Fused sampling (one implementation per ``(block_v, num_warps, num_stages, stats_blocks)`` of
+    """Fused sampling (one implementation per ``(block_v, num_warps, num_stages, stats_blocks, parallel_rows)`` of
     ``fused_configs``) vs the jnp path on ``(budget, batch, params name)`` cases (``budget_s`` as
     in ``bench_attention``). ``profile``: also record where each fused call's device time goes
     (``ddtree_jax.profiling``)."""
