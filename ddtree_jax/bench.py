@@ -114,9 +114,9 @@ def make_state(target, drafter, spec, batch, context, max_new=4096) -> engine.De
     )
 
 
-def constant_sampling(batch: int, temperature: float, top_p: float) -> engine.SamplingParams:
-    """The same temperature and top-p (top-k off) for every request of the batch."""
-    return engine.SamplingParams(jnp.full((batch,), temperature, jnp.float32), jnp.zeros((batch,), jnp.int32),
+def constant_sampling(batch: int, temperature: float, top_k: int, top_p: float) -> engine.SamplingParams:
+    """The same temperature, top-k and top-p for every request of the batch."""
+    return engine.SamplingParams(jnp.full((batch,), temperature, jnp.float32), jnp.full((batch,), top_k, jnp.int32),
                                  jnp.full((batch,), top_p, jnp.float32))
 
 
@@ -212,7 +212,7 @@ def bench_shapes(args, emit) -> None:
     print(f"decode roofline {decode_floor:.2f} ms, DDTree round floor {round_floor:.2f} ms", flush=True)
     impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl)
     for batch in args.batches:
-        sampling = constant_sampling(batch, args.temperature, args.top_p)
+        sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
         for context in args.contexts:
             ar = engine.make_spec(target, None, "ar", 1, None, **impls)
             decode = round_runner(target, drafter, ar, make_state(target, drafter, ar, batch, context), sampling)
@@ -304,6 +304,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=_ints, default=[16, 64, 256, 512], help="part 1 DDTree node budgets")
     p.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the tree (0 = none)")
     p.add_argument("--temperature", type=float, default=1.0, help="target temperature of part 1 (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="target top-k of part 1 (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="target top-p of part 1")
     p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
     p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto")
@@ -322,7 +323,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_from_args(args) -> int:
     """Run the parts asked for; the JSON at ``args.out`` is rewritten after every row."""
     for name, ok, rule in (("temperature", args.temperature >= 0, ">= 0"), ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
-                           ("topk_cap", args.topk_cap >= 0, ">= 0"), ("repeats", args.repeats >= 1, ">= 1"),
+                           ("top_k", args.top_k >= 0, ">= 0"), ("topk_cap", args.topk_cap >= 0, ">= 0"),
+                           ("repeats", args.repeats >= 1, ">= 1"),
                            ("new_tokens", args.new_tokens >= 1, ">= 1"), ("hbm_tbps", args.hbm_tbps > 0, "> 0")):
         if not ok:
             raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")

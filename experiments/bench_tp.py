@@ -78,7 +78,7 @@ def bench_latency(target, drafter, tp, args) -> list[dict]:
     """Decode step and DDTree rounds at ``tp``, with the per-layer all-reduce time."""
     mesh = sharding.make_mesh(tp)
     placed = bench.shard_models(target, drafter, mesh)
-    sampling = bench.constant_sampling(args.batch, 0.0, 1.0)
+    sampling = bench.constant_sampling(args.batch, 0.0, 0, 1.0)
     specs = [("decode", 0, engine.make_spec(target, None, "ar", 1, None, args.attention_impl, "xla"))]
     specs += [("ddtree", budget, engine.make_spec(target, drafter, "ddtree", budget, None, args.attention_impl, "xla"))
               for budget in args.budgets]

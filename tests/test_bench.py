@@ -13,7 +13,7 @@ def test_bench_tiny_shapes_and_embedded(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
             "--mesh-check", "--profile", "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
-            "--out", str(out)]
+            "--top-k", "5", "--out", str(out)]
     assert cli.main(argv) == 0
     result = json.loads(out.read_text())
     rows = result["shapes"]
@@ -32,12 +32,13 @@ def test_bench_tiny_shapes_and_embedded(tmp_path):
         (t, m) for t in (0.0, 1.0) for m in ("ar", "chain", "ddtree")]
     assert all(r["tau"] >= 1 and r["tokens_per_s"] > 0 for r in embedded)
     assert all(r["tau"] == 1 for r in embedded if r["method"] == "ar")
-    assert result["meta"]["settings"]["budgets"] == [4, 8]
+    assert result["meta"]["settings"]["budgets"] == [4, 8] and result["meta"]["settings"]["top_k"] == 5
 
 
 @pytest.mark.parametrize("flag, value, message", [
     ("--repeats", "0", "--repeats must be >= 1"), ("--top-p", "0", "--top-p must be in"),
     ("--temperature", "-1", "--temperature must be >= 0"), ("--topk-cap", "-2", "--topk-cap must be >= 0"),
+    ("--top-k", "-1", "--top-k must be >= 0"),
 ])
 def test_bench_rejects_bad_flags(tmp_path, flag, value, message):
     with pytest.raises(ValueError, match=message):
