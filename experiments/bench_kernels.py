@@ -275,7 +275,7 @@ def fused_config(text: str) -> tuple[int, int, int, int, int]:
     if len(values) not in (3, 4, 5):
         raise ValueError("a fused config is block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]], "
                          f"got {text!r}")
-    return (*values, 1, PARALLEL_ROWS)[:5] if len(values) == 3 else (*values, PARALLEL_ROWS)[:5]
+    return (*values, *(1, PARALLEL_ROWS)[len(values) - 3:])
 
 
 def fused_name(config, count):

@@ -237,10 +237,7 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
             plt.debug_barrier()
 
     def load_block(cur, start, size):
-        ids = start + jnp.arange(size)
-        valid = ids < vocab
-        x = plt.load(logits_ref.at[cur, pl.ds(start, size)], mask=valid, other=0)
-        return ids, valid, x.astype(jnp.float32) * scale
+        return _load_block(logits_ref, (cur,), start, size, vocab, scale)
 
     def fold_row(cur, fn, init, size=block_v):
         """Fold ``fn(carry, ids, valid, z, block)`` over the vocabulary blocks of row ``cur``."""
@@ -391,7 +388,7 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
         stats = _when(active, lambda: row_stats(cur), stats)
         m, w, c, total, _ = stats
         is_child = children(cur)
-        z = plt.load(logits_ref.at[cur, tokens]).astype(jnp.float32) * scale
+        z = _processed(plt.load(logits_ref.at[cur, tokens]), scale)
         q = jnp.where(is_child & _kept(_order_key(z), tokens, w, c), jnp.exp(z - m) / total, 0.0)
         coin = at_node(coins, cur)
         hit = is_child & (coin <= jnp.cumsum(q))
@@ -496,6 +493,20 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
     emitted_ref[...] = jnp.where(jnp.arange(depth_pad) == depth, token, emitted)
 
 
+def _processed(logits, scale):
+    """The processed logits ``z = logits * (1 / T)`` in float32: the one definition every kernel uses,
+    so that they all agree with each other and with the jnp path bit for bit."""
+    return logits.astype(jnp.float32) * scale
+
+
+def _load_block(logits_ref, row, start, size, vocab, scale):
+    """Ids, validity and ``z`` of the entries ``[start, start + size)`` of a logits row
+    (``logits_ref.at[row]``, ``row`` a tuple of leading indices)."""
+    ids = start + jnp.arange(size)
+    valid = ids < vocab
+    return ids, valid, _processed(plt.load(logits_ref.at[(*row, pl.ds(start, size))], mask=valid, other=0), scale)
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
@@ -521,11 +532,8 @@ def _block_stats_kernel(scale_ref, logits_ref, max_ref, argmax_ref, mass_ref, *,
     mass_G = jnp.zeros((blocks,), jnp.float32)
     scale = scale_ref[()]
     for g in range(blocks):
-        start = (pl.program_id(1) * blocks + g) * block
-        ids = start + jnp.arange(block)
-        valid = ids < vocab
-        x = plt.load(logits_ref.at[pl.ds(start, block)], mask=valid, other=0)
-        z = jnp.where(valid, x.astype(jnp.float32) * scale, -jnp.inf)
+        ids, valid, z = _load_block(logits_ref, (), (pl.program_id(1) * blocks + g) * block, block, vocab, scale)
+        z = jnp.where(valid, z, -jnp.inf)
         m = jnp.max(z)
         max_G = jnp.where(slot_G == g, m, max_G)
         argmax_G = jnp.where(slot_G == g, jnp.min(jnp.where(valid & (z == m), ids, vocab)), argmax_G)
@@ -621,21 +629,13 @@ def _store_candidates(cand_z_ref, cand_id_ref, row, ids, z, sel, base, capacity)
 
 
 # --- the floor search over the whole GPU: a program per (row, block) ---------------------------------
-def _load_z(logits_ref, scale_ref, block, j):
-    """Ids, validity and ``z = logits * scale`` of the j-th block of a row."""
-    ids = j * block + jnp.arange(block)
-    valid = ids < logits_ref.shape[0]
-    x = plt.load(logits_ref.at[pl.ds(j * block, block)], mask=valid, other=0)
-    return ids, valid, x.astype(jnp.float32) * scale_ref[()]
-
-
 def _floor_kernel(active_ref, scale_ref, max_ref, floors_ref, logits_ref, count_ref, mass_ref, *, block):
     """Program (row r, block j) of an active row: ``_floor_counts`` of the block."""
     j = pl.program_id(1)  # read outside the branch: the interpreter cannot lower it inside
 
     @pl.when(active_ref[()] != 0)
     def _():
-        _, valid, z = _load_z(logits_ref, scale_ref, block, j)
+        _, valid, z = _load_block(logits_ref, (), j * block, block, logits_ref.shape[0], scale_ref[()])
         count_ref[...], mass_ref[...] = _floor_counts(valid, z, floors_ref[...], max_ref[()])
 
 
@@ -647,7 +647,7 @@ def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, ca
 
     @pl.when(active_ref[()] != 0)
     def _():
-        ids, valid, z = _load_z(logits_ref, scale_ref, block, j)
+        ids, valid, z = _load_block(logits_ref, (), j * block, block, logits_ref.shape[0], scale_ref[()])
         _store_candidates(cand_z_ref, cand_id_ref, 0, ids, z, valid & (z >= floor_ref[()]), offset_ref[()],
                           capacity)
 
@@ -724,7 +724,8 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits_BNV, scale_B, draw_block, num_warps, interpret,
                                                              stats_blocks)
     per_row = lambda x_B: jnp.repeat(x_B, num_nodes)  # noqa: E731
-    use_k_R, use_p_R = _truncation(per_row(temperature_B), per_row(top_k_B), per_row(top_p_B), vocab)
+    top_k_R, top_p_R = per_row(top_k_B), per_row(top_p_B)
+    use_k_R, use_p_R = _truncation(per_row(temperature_B), top_k_R, top_p_R, vocab)
     prepared = batch * num_nodes <= parallel_rows
     cand_rows = num_nodes if prepared else 1
     none = (jnp.full((batch * num_nodes,), -1, jnp.int32),
@@ -732,7 +733,7 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     if prepared:
         num_R, cand_z_R1C, cand_id_R1C = lax.cond(jnp.any(use_k_R | use_p_R), lambda: _candidates(
             logits_BNV.reshape(batch * num_nodes, vocab), per_row(scale_B), max_BN.reshape(-1), mass_BN.reshape(-1),
-            use_k_R, use_p_R, per_row(top_k_B), per_row(top_p_B), block=_candidate_block(block_v),
+            use_k_R, use_p_R, top_k_R, top_p_R, block=_candidate_block(block_v),
             capacity=capacity, num_warps=num_warps, interpret=interpret), lambda: none)
     else:
         num_R, cand_z_R1C, cand_id_R1C = none
