@@ -68,6 +68,21 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * float(np.median(times))
 
 
+def interleaved_ms(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Wall times in ms of each ``fns[name]()`` (``block_until_ready``), ``repeats`` rounds that call
+    every function once in turn after one warm call each, so that a drift of the machine (clocks,
+    other load) falls on all of them alike: ``{name: [ms of round 0, ...]}``."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return times
+
+
 def first_call_s(fn) -> float:
     """Seconds of the first call of ``fn()`` (compilation included), to ``block_until_ready``."""
     start = time.perf_counter()

@@ -5,8 +5,8 @@
   ``jax.nn.dot_product_attention`` with a mask), for N tree nodes, a committed context and a
   batch. Achieved HBM bandwidth counts the bytes the call must move: K/V of the prefix and the
   tree for every KV head, queries and outputs.
-- ``sweep``: the candidate tilings of ``SWEEP_CONFIGS`` on a few shapes (how the measured
-  config table entry is chosen).
+- ``sweep``: candidate tilings (``--sweep-configs``, by default ``SWEEP_CONFIGS``) on a few
+  shapes (how the measured config table entry is chosen).
 - ``sampling``: fused tree sampling vs the jnp path (``verify_from_coins``) for V = 151,936,
   tree budgets and batches, plain temperature and temperature + top-k + top-p; also checks
   that both give the same results, and relates the time to a Qwen3-8B verify forward's
@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import profiling
-from ddtree_jax.bench import median_ms
+from ddtree_jax.bench import interleaved_ms, median_ms
 from ddtree_jax.tree import build_tree, tree_positions
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels import configs
@@ -46,18 +47,12 @@ from pallas_kernels.tree_sampling import PARALLEL_ROWS, tree_sample
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 VOCAB, DRAFT_DEPTH = 151_936, 15
 QWEN3_8B_WEIGHT_BYTES = 16.4e9
-SWEEP_CONFIGS = {
-    "m64k64w4s3": TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=3),
-    "m64k128w4s3": TreeAttentionConfig(block_m=64, block_k=128, num_warps=4, num_stages=3),
-    "m128k64w8s3": TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3),
-    "m64k64w4s4": TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=4),
-    "m128k128w8s2": TreeAttentionConfig(block_m=128, block_k=128, num_warps=8, num_stages=2),
-    "m64k64w4s3p528": TreeAttentionConfig(block_m=64, block_k=64, num_warps=4, num_stages=3,
-                                          min_programs=528),
-    # the sm_90 entry with longer split-K chunks (fewer splits, no merge at short contexts)
-    **{f"sm90c{chunk}": dataclasses.replace(configs.TREE_ATTENTION_CONFIGS[(9, 0)], min_chunk=chunk)
-       for chunk in (512, 1024, 2048, 4096)},
-}
+# Tilings of the sweep part: m<block_m>k<block_k>w<warps>s<stages>, optionally p<min_programs>
+# and c<min_chunk>; fields left out come from the local GPU's table entry (sm_90: p512 c512).
+SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128k128w8s2",
+                 "m64k64w4s3p528")
+_SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages",
+                 "p": "min_programs", "c": "min_chunk"}
 SAMPLING_PARAMS = {"T1": (1.0, 0, 1.0), "T0.7_k50_p0.9": (0.7, 50, 0.9)}
 
 
@@ -160,11 +155,10 @@ def error_text(err) -> str:
     return f"{type(err).__name__}: {str(err)[:300]}"
 
 
-def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8):
-    """Time ``impls`` (name -> attention function) on ``(batch, nodes, context)`` shapes.
-
-    ``budget_s``: seconds after compiling past which no new shape starts.
-    """
+def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8, repeats=5):
+    """Time each implementation on each shape: ``repeats`` rounds of one ``chain`` of dependent
+    calls per implementation in turn (``interleaved_ms``); per call = median round / ``chain``.
+    ``<impl>_speedup``: the median over rounds of the XLA path's time / that implementation's."""
     jobs = {(shape, name): (chained(fn, chain), attention_shapes(*shape))
             for shape in shapes for name, fn in impls.items()}
     compiled = compile_all(jobs)
@@ -173,16 +167,24 @@ def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8):
         args = attention_inputs(*shape)
         nbytes = attention_bytes(*shape)
         row = dict(batch=shape[0], nodes=shape[1], context=shape[2], bytes=nbytes)
+        runs = {}
         for name in impls:
             exe = compiled[(shape, name)]
-            try:
-                if isinstance(exe, Exception):
-                    raise exe
-                seconds = median_ms(functools.partial(exe, *args), 3) / 1e3 / chain
-                row[name] = dict(ms=seconds * 1e3, gbs=nbytes / seconds / 1e9,
-                                 hbm_frac=nbytes / seconds / 1e9 / peak_gbs)
-            except Exception as err:  # noqa: BLE001 (an OOM or unsupported path is a result)
-                row[name] = dict(error=error_text(err))
+            if isinstance(exe, Exception):
+                row[name] = dict(error=error_text(exe))
+            else:
+                runs[name] = functools.partial(exe, *args)
+        try:
+            times = interleaved_ms(runs, repeats)
+        except Exception as err:  # noqa: BLE001 (an OOM at run time is a result)
+            times = {}
+            row.update({name: dict(error=error_text(err)) for name in runs})
+        for name, rounds in times.items():
+            seconds = float(np.median(rounds)) / 1e3 / chain
+            row[name] = dict(ms=seconds * 1e3, gbs=nbytes / seconds / 1e9,
+                             hbm_frac=nbytes / seconds / 1e9 / peak_gbs, rounds_ms=rounds)
+            if "xla" in times and name != "xla":
+                row[f"{name}_speedup"] = float(np.median(np.divide(times["xla"], rounds)))
         records.append(row)
         report(records)
         print(format_attention_row(row, list(impls)), flush=True)
@@ -195,10 +197,9 @@ def format_attention_row(row, names):
     for name in names:
         r = row.get(name, {})
         cells.append(f"{name} {r['ms']:8.3f} ms {r['gbs']:6.0f} GB/s" if "ms" in r else f"{name} n/a")
-    xla = row.get("xla", {})
-    for name in ("pallas", "mosaic"):
-        if "ms" in xla and "ms" in row.get(name, {}):
-            cells.append(f"{name} speedup {xla['ms'] / row[name]['ms']:.2f}x")
+    for name in names:
+        if f"{name}_speedup" in row:
+            cells.append(f"{name} speedup {row[f'{name}_speedup']:.2f}x")
     return " | ".join(cells)
 
 
@@ -268,6 +269,15 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, p
     return records
 
 
+def sweep_config(text: str) -> TreeAttentionConfig:
+    """``"m64k128w4s2c1024"`` -> that tiling; fields left out keep the local table entry's values."""
+    fields = re.fullmatch(r"((?:[mkwspc]\d+)+)", text)
+    if fields is None:
+        raise SystemExit(f"--sweep-configs: {text!r} is not like m64k64w4s3[p528][c1024]")
+    values = {_SWEEP_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspc])(\d+)", text)}
+    return dataclasses.replace(configs.tree_attention_config(), **values)
+
+
 def fused_config(text: str) -> tuple[int, int, int, int, int]:
     """``"block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]]"`` -> the five ints
     (``tree_sample``'s defaults for those left out)."""
@@ -301,7 +311,8 @@ def main(argv=None):
     parser.add_argument("--contexts", default="1024,4096,16384,32768,65536")
     parser.add_argument("--sweep-contexts", default="16384")
     parser.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
-                        help=f"tilings for the sweep part, from {list(SWEEP_CONFIGS)}")
+                        help="tilings for the sweep part, m<block_m>k<block_k>w<warps>s<stages>"
+                             "[p<min_programs>][c<min_chunk>], left-out fields from the GPU's table entry")
     parser.add_argument("--sampling-cases", default="64:1,64:8,64:64,256:1,256:16,1024:1,1024:4",
                         help="budget:batch pairs")
     parser.add_argument("--vocab", type=int, default=VOCAB)
@@ -319,6 +330,10 @@ def main(argv=None):
                         help="sampling: record where each fused call's device time goes (per kernel and op)")
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
                         help="HBM bandwidth for the fraction columns (H200: 4.8 TB/s)")
+    parser.add_argument("--chain", type=int, default=8,
+                        help="attention, sweep: dependent calls per timed executable")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="attention, sweep: timed rounds (every implementation once per round)")
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="per part, stop starting new shapes this many seconds after compiling")
     args = parser.parse_args(argv)
@@ -355,9 +370,10 @@ def main(argv=None):
             impls = {name: available[name] for name in args.impls.split(",")}
         else:
             impls = {name: functools.partial(tree_attention, scale=scale, backend="triton",
-                                             config=SWEEP_CONFIGS[name])
+                                             config=sweep_config(name))
                      for name in args.sweep_configs.split(",")}
-        bench_attention(shapes, impls, peak_gbs=args.peak_gbs, budget_s=args.budget_s, report=report)
+        bench_attention(shapes, impls, peak_gbs=args.peak_gbs, budget_s=args.budget_s, report=report,
+                        chain=args.chain, repeats=args.repeats)
 
 
 if __name__ == "__main__":

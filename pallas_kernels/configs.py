@@ -4,14 +4,16 @@ Only the Hopper entry was measured: on an H200 (``experiments/bench_kernels.py s
 heads, context 16k, batch 1 and 16, 16 and 256 tree nodes) 128-row blocks with 8 warps were
 1.2-1.6x faster than 64-row blocks with 4 warps at 256 nodes; at 16 nodes (64 packed rows) the
 block shrinks to 64 rows and 4 warps (see ``launch_warps``), the best measured there. Deeper
-pipelines (4 stages) and 128-key blocks did not help. The Blackwell entries are chosen by
-reasoning from the Hopper one and are marked unmeasured:
+pipelines (4 stages) and 128-key blocks did not help. Splitting the prefix until there are at
+least 512 programs (about 4 per SM) rather than 264 reached 80-84% of the HBM bandwidth at batch
+16, 16 nodes, 32k-64k (67-70% with 264) and did not lose elsewhere beyond the noise. The Blackwell
+entries are chosen by reasoning from the Hopper one and are marked unmeasured:
 
 - ``(10, 0)`` (B200-class, sm_100): about 1.7x the HBM bandwidth of an H200 and the same
-  228 KB of shared memory per SM, 148 SMs: the Hopper tiles, more programs for more SMs;
+  228 KB of shared memory per SM, 148 SMs: the Hopper tiles, about 4 programs per SM;
 - ``(12, 0)`` (RTX PRO 6000 / consumer Blackwell, sm_120): no wgmma/tcgen05, about 100 KB of
   shared memory per SM, 188 SMs and a third of the H200's bandwidth: 64-row blocks, 32-key
-  blocks and two stages so that the double-buffered K/V tiles fit.
+  blocks and two stages so that the double-buffered K/V tiles fit, about 4 programs per SM.
 
 Ampere/Ada (``(8, x)``) get conservative defaults that also serve unknown GPUs.
 
@@ -75,12 +77,12 @@ class TreeAttentionConfig:
 TREE_ATTENTION_CONFIGS: dict[tuple[int, int], TreeAttentionConfig] = {
     (8, 0): TreeAttentionConfig(),
     (9, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
-                                min_programs=264, min_chunk=512, smem_bytes=200 * 1024,
+                                min_programs=512, min_chunk=512, smem_bytes=200 * 1024,
                                 measured=True),
     (10, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
-                                 min_programs=296, min_chunk=512, smem_bytes=200 * 1024),
+                                 min_programs=592, min_chunk=512, smem_bytes=200 * 1024),
     (12, 0): TreeAttentionConfig(block_m=64, block_k=32, num_warps=4, num_stages=2,
-                                 min_programs=376, min_chunk=512),
+                                 min_programs=752, min_chunk=512),
 }
 
 MOSAIC_TREE_ATTENTION_CONFIGS: dict[tuple[int, int], TreeAttentionConfig] = {

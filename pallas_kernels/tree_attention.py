@@ -4,8 +4,10 @@ Same contract as ``ddtree_jax.models.layers.attention`` (see ``tree_attention_re
 The Pallas kernel (Triton lowering) works per (request, KV head):
 
 - **GQA packing**: the N queries of the G query heads that share a KV head are stacked into
-  ``M = G * N`` rows (row ``g * N + i`` is node i of head g), so that even a 16-node tree
-  fills the rows of a matrix-unit tile and each K/V block is read once per group;
+  ``M = N * G`` rows (row ``i * G + g`` is node i of head g), so that even a 16-node tree
+  fills the rows of a matrix-unit tile and each K/V block is read once per group. The program
+  gathers its rows from ``q`` and scatters its outputs into the ``[B, N, H, D]`` layout itself,
+  and reads the tree mask rows of its nodes, so a call with one split is a single kernel;
 - **split-K**: the prefix ``[0, lengths[b])`` is cut into static chunks, one program each,
   so that small batches still fill the GPU; chunks past the request's length do no work;
   the partial results are merged afterwards with their softmax residuals (running max and
@@ -188,16 +190,27 @@ def _attend(q_MD, k_ref, v_ref, start, key_ok_T, visible_MT, carry, *, scale, pr
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: _Plan,
-            num_new, block_k, precision):
-    """Program (row block, split, b, kv head): its prefix chunk, and the tree if it owns it."""
+            group, num_new, block_k, precision):
+    """Program (row block, split, b, kv head): its prefix chunk, and the tree if it owns it.
+
+    ``q_ref``/``out_refs``: the request's ``[N * H, D]`` rows (row ``i * H + h``); packed row
+    ``i * G + g`` is row ``i * H + kv * G + g``. Rows past ``N * G`` repeat the last node's
+    rows: they compute the same values and store them over the same rows, so no store is masked.
+    """
     split = pl.program_id(1)
     num_slots = k_ref.shape[0]
+    num_q = mask_ref.shape[0]
     length = jnp.minimum(lengths_ref[()], num_slots)
-    q_MD = q_ref[...]
-    block_m, head_dim = q_MD.shape
+    packed = pl.program_id(0) * plan.block_m + jnp.arange(plan.block_m)
+    node_M = jnp.minimum(packed // group, num_q - 1)
+    row_M = node_M * (q_ref.shape[0] // num_q) + pl.program_id(3) * group + packed % group
+    head_dim = q_ref.shape[1]
+    # Index arrays on both axes: the interpreter gathers only without slices.
+    rows_MD = (row_M[:, None], jnp.arange(head_dim)[None, :])
+    q_MD = plt.load(q_ref.at[rows_MD])
     attend = functools.partial(_attend, q_MD, k_ref, v_ref, scale=scale, precision=precision)
-    carry = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), _NEG, jnp.float32),
-             jnp.zeros((block_m,), jnp.float32))
+    carry = (jnp.zeros((plan.block_m, head_dim), jnp.float32),
+             jnp.full((plan.block_m,), _NEG, jnp.float32), jnp.zeros((plan.block_m,), jnp.float32))
 
     lo = split * plan.chunk
     hi = jnp.minimum(lo + plan.chunk, length)
@@ -213,7 +226,7 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
     def tree_step(t, carry):
         cols = t * plan.block_t + jnp.arange(plan.block_t)
         key_ok = (cols < num_new) & (length + cols < num_slots)
-        visible = mask_ref[:, pl.ds(t * plan.block_t, plan.block_t)] != 0
+        visible = plt.load(mask_ref.at[node_M[:, None], jnp.minimum(cols, num_new - 1)[None, :]])
         return attend(length + t * plan.block_t, key_ok, key_ok[None, :] & visible, carry)
 
     owner = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), plan.chunk), plan.num_splits - 1)
@@ -224,12 +237,12 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
 
     if plan.num_splits == 1:
         [o_ref] = out_refs
-        o_ref[...] = (o_MD / jnp.where(l_M > 0, l_M, 1.0)[:, None]).astype(o_ref.dtype)
+        plt.store(o_ref.at[rows_MD], (o_MD / jnp.where(l_M > 0, l_M, 1.0)[:, None]).astype(o_ref.dtype))
     else:
         o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = o_MD
-        m_ref[...] = m_M
-        l_ref[...] = l_M
+        plt.store(o_ref.at[rows_MD], o_MD)
+        plt.store(m_ref.at[row_M], m_M)
+        plt.store(l_ref.at[row_M], l_M)
 
 
 def _pack_queries(q_BNHD, num_kv, rows_pad):
@@ -248,21 +261,15 @@ def _unpack_output(o_BKMD, num_q, num_heads):
     return o_BKGND.transpose(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
 
 
-def _row_mask(mask_BNM, group, rows_pad, new_pad):
-    """int8 ``[B, rows_pad, new_pad]``: packed row ``g * N + i`` takes node i's mask row."""
-    num_q, num_new = mask_BNM.shape[1:]
-    rows = jnp.arange(rows_pad)
-    mask_BRM = mask_BNM[:, rows % num_q, :] & (rows < group * num_q)[None, :, None]
-    return jnp.pad(mask_BRM, ((0, 0), (0, 0), (0, new_pad - num_new))).astype(jnp.int8)
-
-
-def _merge_splits(o_BKJMD, m_BKJM, l_BKJM):
-    """Combine per-split unnormalised outputs with their running max and sum (split axis 2)."""
-    m_max_BKM = m_BKJM.max(axis=2)
-    w_BKJM = jnp.exp(m_BKJM - m_max_BKM[:, :, None])
-    l_BKM = (w_BKJM * l_BKJM).sum(axis=2)
-    o_BKMD = (w_BKJM[..., None] * o_BKJMD).sum(axis=2)
-    return o_BKMD / jnp.where(l_BKM > 0, l_BKM, 1.0)[..., None]
+def _merge_splits(o_XJMD, m_XJM, l_XJM):
+    """Combine per-split unnormalised outputs with their running max and sum (the split axis
+    ``J`` after any leading axes ``X``): ``[*X, J, M, D] -> [*X, M, D]``."""
+    axis = m_XJM.ndim - 2
+    m_max_XM = m_XJM.max(axis=axis)
+    w_XJM = jnp.exp(m_XJM - jnp.expand_dims(m_max_XM, axis))
+    l_XM = (w_XJM * l_XJM).sum(axis=axis)
+    o_XMD = (w_XJM[..., None] * o_XJMD).sum(axis=axis)
+    return o_XMD / jnp.where(l_XM > 0, l_XM, 1.0)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "layer", "config", "interpret"))
@@ -273,42 +280,39 @@ def _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, lengths_B, mask_BNM, *, sca
     num_new = mask_BNM.shape[2]
     group = num_heads // num_kv
     plan = _plan(batch, num_kv, group * num_q, num_new, num_slots, config)
-    q_BKMD = _pack_queries(q_BNHD, num_kv, plan.rows_pad)
-    mask_BRM = _row_mask(mask_BNM, group, plan.rows_pad, plan.new_pad)
+    q_BRD = q_BNHD.reshape(batch, num_q * num_heads, head_dim)
     # Row blocks vary fastest in launch order, so that the programs reading one K/V chunk run
     # together and share it through L2.
     grid = (plan.rows_pad // plan.block_m, plan.num_splits, batch, num_kv)
     exact = q_BNHD.dtype == jnp.float32
-    kernel = functools.partial(_kernel, scale=scale, plan=plan, num_new=num_new,
+    kernel = functools.partial(_kernel, scale=scale, plan=plan, group=group, num_new=num_new,
                                block_k=config.block_k,
                                precision=lax.Precision.HIGHEST if exact else None)
     in_specs = [
         pl.BlockSpec((None,), lambda r, j, b, h: (b,)),
-        pl.BlockSpec((None, None, plan.block_m, head_dim), lambda r, j, b, h: (b, h, r, 0)),
+        pl.BlockSpec((None, num_q * num_heads, head_dim), lambda r, j, b, h: (b, 0, 0)),
         pl.BlockSpec((None, None, None, num_slots, head_dim), lambda r, j, b, h: (layer, b, h, 0, 0)),
         pl.BlockSpec((None, None, None, num_slots, head_dim), lambda r, j, b, h: (layer, b, h, 0, 0)),
-        pl.BlockSpec((None, plan.block_m, plan.new_pad), lambda r, j, b, h: (b, r, 0)),
+        pl.BlockSpec((None, num_q, num_new), lambda r, j, b, h: (b, 0, 0)),
     ]
-    rows_shape = (batch, num_kv, plan.rows_pad)
+    rows = num_q * num_heads
     if plan.num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((*rows_shape, head_dim), q_BNHD.dtype)]
-        out_specs = [pl.BlockSpec((None, None, plan.block_m, head_dim),
-                                  lambda r, j, b, h: (b, h, r, 0))]
+        out_shape = [jax.ShapeDtypeStruct((batch, rows, head_dim), q_BNHD.dtype)]
+        out_specs = [pl.BlockSpec((None, rows, head_dim), lambda r, j, b, h: (b, 0, 0))]
     else:
-        split_shape = (batch, num_kv, plan.num_splits, plan.rows_pad)
+        split_shape = (batch, plan.num_splits, rows)
         out_shape = [jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct(split_shape, jnp.float32),
                      jax.ShapeDtypeStruct(split_shape, jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, None, plan.block_m, head_dim),
-                                  lambda r, j, b, h: (b, h, j, r, 0)),
-                     pl.BlockSpec((None, None, None, plan.block_m), lambda r, j, b, h: (b, h, j, r)),
-                     pl.BlockSpec((None, None, None, plan.block_m), lambda r, j, b, h: (b, h, j, r))]
+        out_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda r, j, b, h: (b, j, 0, 0)),
+                     pl.BlockSpec((None, None, rows), lambda r, j, b, h: (b, j, 0)),
+                     pl.BlockSpec((None, None, rows), lambda r, j, b, h: (b, j, 0))]
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plt.CompilerParams(
             num_warps=config.launch_warps(plan.block_m),
             num_stages=config.launch_stages(plan.block_m, head_dim, q_BNHD.dtype.itemsize)),
         interpret=interpret, name="tree_attention",
-    )(lengths_B, q_BKMD, k_LBKSD, v_LBKSD, mask_BRM)
-    o_BKMD = outs[0] if plan.num_splits == 1 else _merge_splits(*outs)
-    return _unpack_output(o_BKMD, num_q, num_heads).astype(q_BNHD.dtype)
+    )(lengths_B, q_BRD, k_LBKSD, v_LBKSD, mask_BNM)
+    o_BRD = outs[0] if plan.num_splits == 1 else _merge_splits(*outs)
+    return o_BRD.reshape(q_BNHD.shape).astype(q_BNHD.dtype)

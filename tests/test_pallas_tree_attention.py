@@ -217,3 +217,37 @@ def test_launch_stages_fit_shared_memory():
     assert hopper.launch_stages(64, 64, 4) == 3
     small = TreeAttentionConfig(block_m=64, block_k=64, num_stages=4, smem_bytes=1)
     assert small.launch_stages(64, 128, 4) == 1
+
+
+def test_benchmark_sweep_configs():
+    """`experiments/bench_kernels.py --sweep-configs`: left-out fields keep the table entry's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.bench_kernels import SWEEP_CONFIGS, sweep_config
+
+    base = configs.tree_attention_config()
+    assert sweep_config("m64k128w4s2c1024") == TreeAttentionConfig(
+        block_m=64, block_k=128, num_warps=4, num_stages=2, min_programs=base.min_programs,
+        min_chunk=1024, smem_bytes=base.smem_bytes, measured=base.measured)
+    assert sweep_config("p528").min_programs == 528
+    assert all(isinstance(sweep_config(name), TreeAttentionConfig) for name in SWEEP_CONFIGS)
+    for bad in ("m64x3", "fast", ""):
+        with pytest.raises(SystemExit, match="sweep-configs"):
+            sweep_config(bad)
+    with pytest.raises(ValueError, match="block_m"):
+        sweep_config("m48")
+
+
+def test_benchmark_times_every_implementation_in_each_round():
+    """`bench_kernels.py attention` on a tiny shape through the interpreter: a row per shape with
+    both paths' times, one per round, and the median ratio against the XLA path."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.bench_kernels import bench_attention
+
+    impls = {"pallas": lambda *a: tree_attention(*a, scale=0.1, backend="interpret", config=SMALL),
+             "xla": lambda *a: tree_attention_reference(*a, scale=0.1)}
+    [row] = bench_attention([(1, 4, 16)], impls, peak_gbs=1.0, budget_s=60.0, report=lambda r: None,
+                            chain=2, repeats=3)
+    assert all(len(row[name]["rounds_ms"]) == 3 and row[name]["ms"] > 0 for name in impls)
+    ratios = np.divide(row["xla"]["rounds_ms"], row["pallas"]["rounds_ms"])
+    assert row["pallas_speedup"] == pytest.approx(float(np.median(ratios)))
+    assert "xla_speedup" not in row
