@@ -210,13 +210,62 @@ def _nth_id(in_set, n, ids, none):
     return jnp.min(jnp.where(in_set & (rank == n), ids, none))
 
 
+def _in_slots(num, capacity, fn):
+    """``fn(size)`` for the fewer of ``_FEW_SLOTS`` or ``capacity`` candidate slots that hold ``num``
+    candidates: the searches work on every slot they load."""
+    few = min(_FEW_SLOTS, capacity)
+    return fn(capacity) if few == capacity else _either(num <= few, lambda: fn(few), lambda: fn(capacity))
+
+
+def _load_candidates(cand_z_ref, cand_id_ref, row, num, m, size, vocab):
+    """``(slots, live, ids, keys, exp(z - m))`` of the first ``size`` candidate slots of ``row``, of
+    which the first ``num`` are live (the others read as id ``vocab``, mass 0)."""
+    slots = jnp.arange(size)
+    live = slots < num
+    z = jnp.where(live, plt.load(cand_z_ref.at[row, pl.ds(0, size)]), -jnp.inf)
+    ids = jnp.where(live, plt.load(cand_id_ref.at[row, pl.ds(0, size)]), vocab)
+    return slots, live, ids, _order_key(z), jnp.where(live, jnp.exp(z - m), 0.0)
+
+
+def _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, top_p, vocab):
+    """Top-k then top-p boundary ``(w, c)`` of a row with max ``m`` and its kept mass, from its
+    candidates in registers (``e = exp(z - m)``; ``total_all``: that sum over the whole row)."""
+    w, c = jnp.int32(_INT_MIN), jnp.int32(vocab)
+
+    def top_k_boundary():
+        ge = lambda u_R: jnp.sum((live[None, :] & (key[None, :] >= u_R[:, None])).astype(  # noqa: E731
+            jnp.int32), axis=1) >= top_k
+        w_k = _radix_search(ge)
+        rank = top_k - jnp.sum((live & (key > w_k)).astype(jnp.int32))
+        tie = live & (key == w_k)
+        return _top_k_cut(w_k, rank, jnp.sum(tie.astype(jnp.int32)),
+                          lambda n: _nth_id(tie, n, ids, vocab) + 1, vocab)
+
+    def top_p_boundary(w, c):
+        in_k = live & _kept(key, ids, w, c)
+        target = top_p * lax.select(use_k, jnp.sum(jnp.where(in_k, e, 0.0)), total_all)
+        ge = lambda u_R: jnp.sum(jnp.where(  # noqa: E731
+            in_k[None, :] & (key[None, :] >= u_R[:, None]), e[None, :], 0.0), axis=1) >= target
+        w_p = _radix_search(ge)
+        mass_gt = jnp.sum(jnp.where(in_k & (key > w_p), e, 0.0))
+        tie = in_k & (key == w_p)
+        return _top_p_cut(w_p, target, mass_gt, jnp.exp(_key_value(w_p) - m),
+                          jnp.sum(tie.astype(jnp.int32)),
+                          lambda n: _nth_id(tie, n, ids, vocab) + 1, w, c, vocab)
+
+    w, c = _when(use_k, top_k_boundary, (w, c))
+    w, c = _when(use_p, lambda: top_p_boundary(w, c), (w, c))
+    return w, c, jnp.sum(jnp.where(live & _kept(key, ids, w, c), e, 0.0))
+
+
 def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
-                   coins_ref, max_ref, argmax_ref, mass_ref, num_ref, block_mass_ref, logits_ref, _rejected, _z, _id,
-                   rejected_ref, cand_z_ref, cand_id_ref, accept_ref, emitted_ref, *, vocab, block_v, draw_block,
-                   capacity, num_nodes, max_depth, prepared, interpret):
+                   coins_ref, max_ref, argmax_ref, mass_ref, num_ref, w_ref, c_ref, kept_ref, block_mass_ref,
+                   logits_ref, _rejected, _z, _id, rejected_ref, cand_z_ref, cand_id_ref, accept_ref, emitted_ref, *,
+                   vocab, block_v, draw_block, capacity, num_nodes, max_depth, prepared, interpret):
     """Program b: the whole walk and final draw of request b. ``prepared``: the candidates of every
-    truncated row come found (``num_ref``, ``cand_*_ref[row]``); else the walk finds those of the
-    rows it visits, in ``cand_*_ref[0]``."""
+    truncated row come found (``num_ref``, ``cand_*_ref[row]``) with the row's kept-set boundary and
+    mass (``w_ref``, ``c_ref``, ``kept_ref``); else the walk finds those of the rows it visits, the
+    candidates in ``cand_*_ref[0]``."""
     nodes_pad = tokens_ref.shape[0]
     block_c = _candidate_block(block_v)
     temperature = temperature_ref[()]
@@ -265,7 +314,7 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
             p, lo, hi, count_lo, _ = carry
             floors_F = _pass_floors(p, m, lo, hi)
             count_F, mass_F = fold_row(cur, lambda acc, ids, valid, z, i: jax.tree.map(
-                jnp.add, acc, _floor_counts(valid, z, floors_F, m)), (jnp.zeros((_FLOORS,), jnp.int32),
+                jnp.add, acc, _floor_counts(valid, z, floors_F, m, ~use_k)), (jnp.zeros((_FLOORS,), jnp.int32),
                                                                         jnp.zeros((_FLOORS,), jnp.float32)),
                 size=block_c)
             ok_F = _holds(count_F, mass_F, use_k, top_k, top_p, total_all)
@@ -285,48 +334,14 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
         return _when(found, compact, jnp.int32(-1))
 
     def in_slots(num, fn):
-        """``fn(size)`` for the fewer of ``_FEW_SLOTS`` or ``capacity`` slots that hold ``num``
-        candidates: the searches work on every slot they load."""
-        few = min(_FEW_SLOTS, capacity)
-        return fn(capacity) if few == capacity else _either(num <= few, lambda: fn(few), lambda: fn(capacity))
+        return _in_slots(num, capacity, fn)
 
     def candidates(cur, m, num, size):
-        slots = jnp.arange(size)
-        live = slots < num
-        z = jnp.where(live, plt.load(cand_z_ref.at[cand_row(cur), pl.ds(0, size)]), -jnp.inf)
-        ids = jnp.where(live, plt.load(cand_id_ref.at[cand_row(cur), pl.ds(0, size)]), vocab)
-        return slots, live, ids, _order_key(z), jnp.where(live, jnp.exp(z - m), 0.0)
+        return _load_candidates(cand_z_ref, cand_id_ref, cand_row(cur), num, m, size, vocab)
 
     def candidate_boundary(cur, m, total_all, num, size):
-        """Top-k then top-p boundary and kept mass, from the ``num`` candidates of row ``cur`` in
-        registers (``size`` slots)."""
         _, live, ids, key, e = candidates(cur, m, num, size)
-        w, c = jnp.int32(_INT_MIN), jnp.int32(vocab)
-
-        def top_k_boundary():
-            ge = lambda u_R: jnp.sum((live[None, :] & (key[None, :] >= u_R[:, None])).astype(  # noqa: E731
-                jnp.int32), axis=1) >= top_k
-            w_k = _radix_search(ge)
-            rank = top_k - jnp.sum((live & (key > w_k)).astype(jnp.int32))
-            tie = live & (key == w_k)
-            return _top_k_cut(w_k, rank, jnp.sum(tie.astype(jnp.int32)),
-                              lambda n: _nth_id(tie, n, ids, vocab) + 1, vocab)
-
-        def top_p_boundary(w, c):
-            in_k = live & _kept(key, ids, w, c)
-            target = top_p * lax.select(use_k, jnp.sum(jnp.where(in_k, e, 0.0)), total_all)
-            ge = lambda u_R: jnp.sum(jnp.where(  # noqa: E731
-                in_k[None, :] & (key[None, :] >= u_R[:, None]), e[None, :], 0.0), axis=1) >= target
-            w_p = _radix_search(ge)
-            mass_gt = jnp.sum(jnp.where(in_k & (key > w_p), e, 0.0))
-            tie = in_k & (key == w_p)
-            return _top_p_cut(w_p, target, mass_gt, jnp.exp(_key_value(w_p) - m),
-                              jnp.sum(tie.astype(jnp.int32)),
-                              lambda n: _nth_id(tie, n, ids, vocab) + 1, w, c, vocab)
-
-        w, c = _when(use_k, top_k_boundary, (w, c))
-        w, c = _when(use_p, lambda: top_p_boundary(w, c), (w, c))
-        return w, c, jnp.sum(jnp.where(live & _kept(key, ids, w, c), e, 0.0))
+        return _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, top_p, vocab)
 
     # --- truncation by bit searches over whole rows (kept sets beyond ``capacity``) -------------
     def streamed_boundary(cur, m):
@@ -369,10 +384,14 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
         def sampled_stats():
 
             def truncated():
-                num = at_node(num_ref[...], cur) if prepared else find_candidates(cur, m, total_all)
-                return _either(num >= 0, lambda: (*in_slots(num, functools.partial(
-                    candidate_boundary, cur, m, total_all, num)), num),
-                               lambda: (*streamed_boundary(cur, m), jnp.int32(-1)))
+                if prepared:
+                    num = at_node(num_ref[...], cur)
+                    found = lambda: (*(at_node(x_ref[...], cur) for x_ref in (w_ref, c_ref, kept_ref)), num)  # noqa: E731
+                else:
+                    num = find_candidates(cur, m, total_all)
+                    found = lambda: (*in_slots(num, functools.partial(  # noqa: E731
+                        candidate_boundary, cur, m, total_all, num)), num)
+                return _either(num >= 0, found, lambda: (*streamed_boundary(cur, m), jnp.int32(-1)))
 
             untruncated = (jnp.int32(_INT_MIN), jnp.int32(vocab), total_all, jnp.int32(-1))
             return (m, *_when(use_k | use_p, truncated, untruncated))
@@ -612,11 +631,13 @@ def _refine(lo, hi, count_lo, floors_F, count_F, ok_F, capacity):
     return lo, hi, count_lo, count_lo <= capacity, first
 
 
-def _floor_counts(valid, z, floors_F, m):
-    """Count and mass ``sum exp(z - m)`` of a block's tokens with ``z >= floor``, per floor."""
+def _floor_counts(valid, z, floors_F, m, with_mass):
+    """Count and mass ``sum exp(z - m)`` of a block's tokens with ``z >= floor``, per floor; the
+    mass only ``with_mass`` (else zeros: a top-k row's floors hold by the count alone)."""
     ge_FV = valid[None, :] & (z[None, :] >= floors_F[:, None])
-    return (jnp.sum(ge_FV.astype(jnp.int32), axis=1),
-            jnp.sum(jnp.where(ge_FV, jnp.exp(z - m)[None, :], 0.0), axis=1))
+    mass_F = _when(with_mass, lambda: jnp.sum(jnp.where(ge_FV, jnp.exp(z - m)[None, :], 0.0), axis=1),
+                   jnp.zeros((_FLOORS,), jnp.float32))
+    return jnp.sum(ge_FV.astype(jnp.int32), axis=1), mass_F
 
 
 def _store_candidates(cand_z_ref, cand_id_ref, row, ids, z, sel, base, capacity):
@@ -629,14 +650,16 @@ def _store_candidates(cand_z_ref, cand_id_ref, row, ids, z, sel, base, capacity)
 
 
 # --- the floor search over the whole GPU: a program per (row, block) ---------------------------------
-def _floor_kernel(active_ref, scale_ref, max_ref, floors_ref, logits_ref, count_ref, mass_ref, *, block):
-    """Program (row r, block j) of an active row: ``_floor_counts`` of the block."""
+def _floor_kernel(mode_ref, scale_ref, max_ref, floors_ref, logits_ref, count_ref, mass_ref, *, block):
+    """Program (row r, block j): ``_floor_counts`` of the block; ``mode``: 0 (no pass for the row),
+    1 (counts only, a top-k row), 2 (counts and masses)."""
     j = pl.program_id(1)  # read outside the branch: the interpreter cannot lower it inside
+    mode = mode_ref[()]
 
-    @pl.when(active_ref[()] != 0)
+    @pl.when(mode != 0)
     def _():
         _, valid, z = _load_block(logits_ref, (), j * block, block, logits_ref.shape[0], scale_ref[()])
-        count_ref[...], mass_ref[...] = _floor_counts(valid, z, floors_ref[...], max_ref[()])
+        count_ref[...], mass_ref[...] = _floor_counts(valid, z, floors_ref[...], max_ref[()], mode == 2)
 
 
 def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, cand_z_ref, cand_id_ref, *, block,
@@ -652,6 +675,21 @@ def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, ca
                           capacity)
 
 
+def _boundary_kernel(num_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref, top_p_ref, cand_z_ref,
+                     cand_id_ref, w_ref, c_ref, kept_ref, *, capacity, vocab):
+    """Program r: the kept-set boundary ``(w, c)`` and kept mass of row r from its candidates
+    (``_candidate_boundary``); ``(INT_MIN, vocab, total)`` for a row without candidates."""
+    num, m, total = num_ref[()], max_ref[()], mass_ref[()]
+
+    def boundary(size):
+        _, live, ids, key, e = _load_candidates(cand_z_ref, cand_id_ref, jnp.int32(0), num, m, size, vocab)
+        return _candidate_boundary(live, ids, key, e, m, total, use_k_ref[()] != 0, use_p_ref[()] != 0,
+                                   top_k_ref[()], top_p_ref[()], vocab)
+
+    w_ref[()], c_ref[()], kept_ref[()] = _when(num >= 0, lambda: _in_slots(num, capacity, boundary),
+                                               (jnp.int32(_INT_MIN), jnp.int32(vocab), total))
+
+
 def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, top_p_R, *, block, capacity,
                 num_warps, interpret):
     """Candidates of the truncated rows: every kept token of the row, and at most ``capacity``.
@@ -660,9 +698,11 @@ def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, to
     block (rows that need no pass return at once); then the tokens above the floor found are
     written to the row's slots in id order, from offsets given by the per-block counts.
 
+    Then a program per row finds the kept-set boundary among its candidates (``_boundary_kernel``).
+
     Returns ``num_R`` (candidates of the row; ``-1``: none, the row is untruncated or its kept
-    set is searched by passes over the row) and ``z``, ids ``[R, 1, capacity + 1]`` (slot
-    ``capacity`` is spare).
+    set is searched by passes over the row), ``z``, ids ``[R, 1, capacity + 1]`` (slot
+    ``capacity`` is spare) and the boundaries ``w_R``, ``c_R`` and kept masses ``kept_R``.
     """
     rows, vocab = logits_RV.shape
     num_blocks = pl.cdiv(vocab, block)
@@ -687,7 +727,7 @@ def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, to
             out_shape=[jax.ShapeDtypeStruct((rows, num_blocks, _FLOORS), dtype) for dtype in (jnp.int32,
                                                                                            jnp.float32)],
             compiler_params=params, interpret=interpret, name="tree_sample_floors",
-        )(active_R.astype(jnp.int32), scale_R, max_R, floors_RF, logits_RV)
+        )(jnp.where(active_R, jnp.where(use_k_R, 1, 2), 0), scale_R, max_R, floors_RF, logits_RV)
         count_RF = jnp.sum(count_RPF, axis=1)
         ok_RF = holds(count_RF, jnp.sum(mass_RPF, axis=1), use_k_R, top_k_R, top_p_R, mass_R)
         *state, first_R = refine(lo_R, hi_R, count_R, floors_RF, count_RF, ok_RF)
@@ -705,7 +745,17 @@ def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, to
         out_specs=[slots, slots], out_shape=cand_shape,
         compiler_params=params, interpret=interpret, name="tree_sample_candidates",
     )(compact_R.astype(jnp.int32), scale_R, lo_R, jnp.cumsum(per_block_RP, axis=1) - per_block_RP, logits_RV)
-    return jnp.where(compact_R, count_R, -1), cand_z_R1C, cand_id_R1C
+    num_R = jnp.where(compact_R, count_R, -1)
+    scalar = pl.BlockSpec((None,), lambda r: (r,))
+    cand_row = pl.BlockSpec((None, 1, capacity + 1), lambda r: (r, 0, 0))
+    w_R, c_R, kept_R = pl.pallas_call(
+        functools.partial(_boundary_kernel, capacity=capacity, vocab=vocab), grid=(rows,),
+        in_specs=[scalar] * 7 + [cand_row] * 2, out_specs=[scalar] * 3,
+        out_shape=[jax.ShapeDtypeStruct((rows,), dtype) for dtype in (jnp.int32, jnp.int32, jnp.float32)],
+        compiler_params=params, interpret=interpret, name="tree_sample_boundaries",
+    )(num_R, max_R, mass_R, use_k_R.astype(jnp.int32), use_p_R.astype(jnp.int32), top_k_R, top_p_R, cand_z_R1C,
+      cand_id_R1C)
+    return num_R, cand_z_R1C, cand_id_R1C, w_R, c_R, kept_R
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
@@ -729,14 +779,15 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     prepared = batch * num_nodes <= parallel_rows
     cand_rows = num_nodes if prepared else 1
     none = (jnp.full((batch * num_nodes,), -1, jnp.int32),
-            *(jnp.zeros((batch * cand_rows, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)))
+            *(jnp.zeros((batch * cand_rows, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)),
+            *(jnp.zeros((batch * num_nodes,), dtype) for dtype in (jnp.int32, jnp.int32, jnp.float32)))
     if prepared:
-        num_R, cand_z_R1C, cand_id_R1C = lax.cond(jnp.any(use_k_R | use_p_R), lambda: _candidates(
+        num_R, cand_z_R1C, cand_id_R1C, *bounds_R = lax.cond(jnp.any(use_k_R | use_p_R), lambda: _candidates(
             logits_BNV.reshape(batch * num_nodes, vocab), per_row(scale_B), max_BN.reshape(-1), mass_BN.reshape(-1),
             use_k_R, use_p_R, top_k_R, top_p_R, block=_candidate_block(block_v),
             capacity=capacity, num_warps=num_warps, interpret=interpret), lambda: none)
     else:
-        num_R, cand_z_R1C, cand_id_R1C = none
+        num_R, cand_z_R1C, cand_id_R1C, *bounds_R = none
     kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, draw_block=draw_block,
                                capacity=capacity, num_nodes=num_nodes, max_depth=max_depth, prepared=prepared,
                                interpret=interpret)
@@ -752,16 +803,17 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
                  jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32)]
     *_, accept_BD, emitted_BD = pl.pallas_call(
         kernel, grid=(batch,),
-        in_specs=[scalar] * 5 + [per_node] * 7 + [rows((nodes_pad, block_mass_BNK.shape[2])),
-                                                   rows((num_nodes, vocab)), row(vocab)] + [rows(cand_shape[1:])] * 2,
+        in_specs=[scalar] * 5 + [per_node] * 10 + [rows((nodes_pad, block_mass_BNK.shape[2])),
+                                                    rows((num_nodes, vocab)), row(vocab)] + [rows(cand_shape[1:])] * 2,
         out_specs=[rows(x.shape[1:]) for x in out_shape], out_shape=out_shape,
-        input_output_aliases={14: 0, 15: 1, 16: 2},
+        input_output_aliases={17: 0, 18: 1, 19: 2},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="tree_sample",
     )(temperature_B, scale_B, top_k_B, top_p_B, final_coins_B, pad_nodes(tokens_BN, 0), pad_nodes(parents_BN, -1),
       pad_nodes(coins_BN, 1.0), pad_nodes(max_BN, 0.0), pad_nodes(argmax_BN, 0), pad_nodes(mass_BN, 1.0),
-      pad_nodes(num_R.reshape(batch, num_nodes), -1), pad_nodes(block_mass_BNK, 0.0), logits_BNV,
-      jnp.zeros((batch, vocab), jnp.int8), *cands)
+      pad_nodes(num_R.reshape(batch, num_nodes), -1),
+      *(pad_nodes(x_R.reshape(batch, num_nodes), 0) for x_R in bounds_R), pad_nodes(block_mass_BNK, 0.0),
+      logits_BNV, jnp.zeros((batch, vocab), jnp.int8), *cands)
     return _verify_result(accept_BD[:, :max_depth + 1], emitted_BD[:, :max_depth + 1], num_nodes)
 
 

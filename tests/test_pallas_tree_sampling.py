@@ -11,12 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ddtree_jax import oracle
 from ddtree_jax.sampling import inverse_temperature
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_sampling import (PARALLEL_ROWS, _candidates, _row_stats, _tree_sample_pallas, _truncation,
-                                          tree_sample)
+from pallas_kernels.tree_sampling import (PARALLEL_ROWS, _candidates, _order_key, _row_stats, _tree_sample_pallas,
+                                          _truncation, tree_sample)
 
 FIELDS = ("accept_index", "num_accepted", "predicts", "emitted", "bonus")
 
@@ -156,7 +157,7 @@ def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, 
     """The candidate pass: a truncated row's candidates are, in id order, all the tokens above a
     floor, at most ``capacity``, and they hold its kept set (top-k: at least k tokens; top-p: at
     least ``top_p`` of the mass); greedy and untruncated rows have none. Small top-k always finds
-    candidates."""
+    candidates. The boundary found from them keeps exactly the oracle's kept set, and its mass."""
     rng = np.random.default_rng(seed)
     logits = 3.0 * rng.standard_normal((len(CANDIDATE_ROWS), vocab)).astype(np.float32)
     logits = np.round(logits / tie_step) * tie_step if tie_step else logits
@@ -164,10 +165,13 @@ def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, 
     scale = inverse_temperature(t)
     max_BN, _, mass_BN, _ = _row_stats(jnp.asarray(logits)[:, None], scale, block, 4, True)
     use_k, use_p = _truncation(t, k, p, vocab)
-    num, cand_z, cand_id = _candidates(jnp.asarray(logits), scale, max_BN[:, 0], mass_BN[:, 0], use_k, use_p, k, p,
-                                       block=block, capacity=capacity, num_warps=4, interpret=True)
+    num, cand_z, cand_id, w, c, kept = _candidates(jnp.asarray(logits), scale, max_BN[:, 0], mass_BN[:, 0], use_k,
+                                                   use_p, k, p, block=block, capacity=capacity, num_warps=4,
+                                                   interpret=True)
     num, cand_z, cand_id = np.asarray(num), np.asarray(cand_z)[:, 0], np.asarray(cand_id)[:, 0]
     z = logits * np.asarray(scale)[:, None]
+    key = np.asarray(_order_key(jnp.asarray(z)))
+    oracle_probs = oracle.target_probs(logits[:, None], t, k, p)[:, 0]
     for r, (temperature, top_k, top_p) in enumerate(CANDIDATE_ROWS):
         truncated = temperature > 0 and (0 < top_k < vocab or top_p < 1)
         if not truncated:
@@ -186,6 +190,9 @@ def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, 
             assert num[r] >= top_k, r
         else:
             assert e[ids].sum() >= top_p * e.sum() * 1.00005, r
+        kept_set = (key[r] > w[r]) | ((key[r] == w[r]) & (np.arange(vocab) < c[r]))
+        np.testing.assert_array_equal(kept_set, oracle_probs[r] > 0, err_msg=str(r))
+        np.testing.assert_allclose(float(kept[r]), e[kept_set].sum(), rtol=1e-5)
 
 
 def test_ties_at_top_k_and_top_p_boundaries():
@@ -250,7 +257,8 @@ def test_lowers_to_valid_triton_ir(dtype, stats_blocks):
     fn = lambda *a: _tree_sample_pallas(*a, max_depth=8, block_v=32768, num_warps=16, num_stages=1,  # noqa: E731
                                         capacity=2048, interpret=False, stats_blocks=stats_blocks)
     modules = {re.search(r"tt.func public @(\w+)", m).group(1): m for m in verified_triton_modules(fn, *args)}
-    assert sorted(modules) == ["tree_sample", "tree_sample_candidates", "tree_sample_floors", "tree_sample_row_stats"]
+    assert sorted(modules) == ["tree_sample", "tree_sample_boundaries", "tree_sample_candidates", "tree_sample_floors",
+                               "tree_sample_row_stats"]
     assert "tt.reduce" in modules["tree_sample_row_stats"] and "tt.reduce" in modules["tree_sample_floors"]
     assert "tt.scan" in modules["tree_sample_candidates"] and "tt.scan" in modules["tree_sample"]
 
