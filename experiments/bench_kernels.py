@@ -312,7 +312,8 @@ def main(argv=None):
     parser.add_argument("--sweep-contexts", default="16384")
     parser.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
                         help="tilings for the sweep part, m<block_m>k<block_k>w<warps>s<stages>"
-                             "[p<min_programs>][c<min_chunk>], left-out fields from the GPU's table entry")
+                             "[p<min_programs>][c<min_chunk>], left-out fields from the GPU's table entry; "
+                             "'xla' adds the XLA path (and each tiling's speedup over it)")
     parser.add_argument("--sampling-cases", default="64:1,64:8,64:64,256:1,256:16,1024:1,1024:4",
                         help="budget:batch pairs")
     parser.add_argument("--vocab", type=int, default=VOCAB)
@@ -369,9 +370,10 @@ def main(argv=None):
                 raise SystemExit(f"--impls: unknown {sorted(unknown)}; choose from {list(available)}")
             impls = {name: available[name] for name in args.impls.split(",")}
         else:
-            impls = {name: functools.partial(tree_attention, scale=scale, backend="triton",
-                                             config=sweep_config(name))
-                     for name in args.sweep_configs.split(",")}
+            xla = functools.partial(tree_attention_reference, scale=scale)
+            impls = {name: xla if name == "xla" else functools.partial(
+                tree_attention, scale=scale, backend="triton", config=sweep_config(name))
+                for name in args.sweep_configs.split(",")}
         bench_attention(shapes, impls, peak_gbs=args.peak_gbs, budget_s=args.budget_s, report=report,
                         chain=args.chain, repeats=args.repeats)
 

@@ -12,16 +12,18 @@ that the whole GPU works even for one request):
   ``m = max z``, its first argmax, ``sum exp(z - m)`` and that sum per block. A greedy or
   untruncated row then needs no pass of its own;
 - candidates of the truncated (top-k / top-p) rows, when there are at most ``parallel_rows``
-  node rows: the tokens and their mass above 16 floors below ``m`` (geometric, refined linearly
-  at most twice) give the highest floor that the kept set lies above, and the tokens above it
-  (at most ``capacity``) are written, in id order, to the row's candidate slots. With more rows
-  the requests' programs fill the GPU, and each does the same passes for the rows it visits only.
+  node rows: the tokens (top-k) or their mass (top-p) above 16 floors below ``m`` (geometric,
+  refined linearly at most twice) give the highest floor that the kept set lies above, and the
+  tokens above it (at most 256 if the first two passes find such a floor, else at most
+  ``capacity``) are written, in id order, to the row's candidate slots; then a program per row
+  finds the row's kept set among them (below). With more rows the requests' programs fill the
+  GPU, and each does the same for the rows it visits only.
 
 A kept set is a prefix of the order (descending z, ascending token id), written as a boundary
 ``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key``
-maps float32 to int32 preserving order. The request's program finds ``w`` for the rows the walk
-visits by a radix search over the candidates in registers (4 bits per step, the k-th largest key
-for top-k, the mass prefix for top-p), ``c`` from the ties' ranks. Kept sets that no floor
+maps float32 to int32 preserving order. ``w`` comes from a radix search over a row's candidates
+in registers (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p), ``c``
+from the ties' ranks. Kept sets that no floor
 confines to ``capacity`` tokens fall back to the same searches done bit by bit with one pass
 over the row per bit.
 
@@ -318,7 +320,7 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
                                                                         jnp.zeros((_FLOORS,), jnp.float32)),
                 size=block_c)
             ok_F = _holds(count_F, mass_F, use_k, top_k, top_p, total_all)
-            return (p + 1, *_refine(lo, hi, count_lo, floors_F, count_F, ok_F, capacity)[:4])
+            return (p + 1, *_refine(lo, hi, count_lo, floors_F, count_F, ok_F, p=p, capacity=capacity)[:4])
 
         init = (jnp.int32(0), jnp.float32(-jnp.inf), m, jnp.int32(vocab), jnp.bool_(vocab <= capacity))
         _, lo, _, num, found = lax.while_loop(lambda c: _searching(c[0], c[1], c[4]), search, init)
@@ -617,9 +619,11 @@ def _searching(p, lo, found):
     return (p < _FLOOR_PASSES) & ~found & ((p == 0) | (lo > -jnp.inf))
 
 
-def _refine(lo, hi, count_lo, floors_F, count_F, ok_F, capacity):
-    """After a pass: ``(lo, hi, count_lo, found, first)``, ``first`` the highest floor that holds
-    (``F`` if none), ``count_lo`` the tokens above ``lo``, ``found`` whether they fit ``capacity``."""
+def _refine(lo, hi, count_lo, floors_F, count_F, ok_F, *, p, capacity):
+    """After pass ``p``: ``(lo, hi, count_lo, found, first)``, ``first`` the highest floor that holds
+    (``F`` if none), ``count_lo`` the tokens above ``lo``, ``found`` whether they fit the slots the
+    pass aims at: ``_FEW_SLOTS`` (searched in a smaller register tile) before the last pass,
+    ``capacity`` at the last."""
     index_F = jnp.arange(_FLOORS)
     first = jnp.min(jnp.where(ok_F, index_F, _FLOORS))
     pick = lambda x_F, j: jnp.sum(jnp.where(index_F == j, x_F, 0))  # noqa: E731
@@ -628,7 +632,9 @@ def _refine(lo, hi, count_lo, floors_F, count_F, ok_F, capacity):
     count_lo = lax.select(any_ok, pick(count_F, first), count_lo)
     above = lax.select(first > 0, pick(floors_F, first - 1), hi)
     hi = lax.select(any_ok, above, pick(floors_F, _FLOORS - 1))
-    return lo, hi, count_lo, count_lo <= capacity, first
+    # select, not jnp.where: a where between two Python ints lowers to an i1 in Triton.
+    slots = lax.select(p < _FLOOR_PASSES - 1, jnp.int32(min(_FEW_SLOTS, capacity)), jnp.int32(capacity))
+    return lo, hi, count_lo, count_lo <= slots, first
 
 
 def _floor_counts(valid, z, floors_F, m, with_mass):
@@ -710,7 +716,6 @@ def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, to
     row = pl.BlockSpec((None, vocab), lambda r, j: (r, 0))
     params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
     holds = jax.vmap(_holds)
-    refine = jax.vmap(functools.partial(_refine, capacity=capacity))
 
     lo_R = jnp.full((rows,), -jnp.inf, jnp.float32)
     hi_R = max_R
@@ -730,7 +735,8 @@ def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, to
         )(jnp.where(active_R, jnp.where(use_k_R, 1, 2), 0), scale_R, max_R, floors_RF, logits_RV)
         count_RF = jnp.sum(count_RPF, axis=1)
         ok_RF = holds(count_RF, jnp.sum(mass_RPF, axis=1), use_k_R, top_k_R, top_p_R, mass_R)
-        *state, first_R = refine(lo_R, hi_R, count_R, floors_RF, count_RF, ok_RF)
+        *state, first_R = jax.vmap(functools.partial(_refine, p=p, capacity=capacity))(
+            lo_R, hi_R, count_R, floors_RF, count_RF, ok_RF)
         at_first_RP = jnp.take_along_axis(count_RPF, jnp.minimum(first_R, _FLOORS - 1)[:, None, None], axis=2)[..., 0]
         per_block_RP = jnp.where((active_R & (first_R < _FLOORS))[:, None], at_first_RP, per_block_RP)
         lo_R, hi_R, count_R, found_R = (jnp.where(active_R, new, old) for new, old in zip(

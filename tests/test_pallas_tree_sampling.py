@@ -245,18 +245,25 @@ def test_invalid_arguments(kwargs, match):
         tree_sample(tree, logits[:, :2], coins, final, *params((1.0, 0, 1.0)))
 
 
-@pytest.mark.parametrize("dtype, stats_blocks", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.float32, 16)])
-def test_lowers_to_valid_triton_ir(dtype, stats_blocks):
-    """Qwen3-sized vocabulary: the kernels (statistics, floors, candidates, walk) lower to Triton IR
-    that the MLIR verifier accepts."""
+@pytest.mark.parametrize("dtype, stats_blocks, parallel_rows", [(jnp.float32, 1, PARALLEL_ROWS),
+                                                                 (jnp.bfloat16, 1, PARALLEL_ROWS),
+                                                                 (jnp.float32, 16, PARALLEL_ROWS), (jnp.float32, 1, 0)])
+def test_lowers_to_valid_triton_ir(dtype, stats_blocks, parallel_rows):
+    """Qwen3-sized vocabulary: the kernels (statistics, floors, candidates, boundaries, walk; with
+    ``parallel_rows=0`` statistics and a walk that finds candidates itself) lower to Triton IR that
+    the MLIR verifier accepts."""
     batch, nodes, vocab = 4, 65, 151936
     s = jax.ShapeDtypeStruct
     args = [s((batch, nodes), jnp.int32), s((batch, nodes), jnp.int32), s((batch, nodes, vocab), dtype),
             s((batch, nodes), jnp.float32), s((batch,), jnp.float32), s((batch,), jnp.float32),
             s((batch,), jnp.int32), s((batch,), jnp.float32)]
     fn = lambda *a: _tree_sample_pallas(*a, max_depth=8, block_v=32768, num_warps=16, num_stages=1,  # noqa: E731
-                                        capacity=2048, interpret=False, stats_blocks=stats_blocks)
+                                        capacity=2048, interpret=False, stats_blocks=stats_blocks,
+                                        parallel_rows=parallel_rows)
     modules = {re.search(r"tt.func public @(\w+)", m).group(1): m for m in verified_triton_modules(fn, *args)}
+    if not parallel_rows:
+        assert sorted(modules) == ["tree_sample", "tree_sample_row_stats"]
+        return
     assert sorted(modules) == ["tree_sample", "tree_sample_boundaries", "tree_sample_candidates", "tree_sample_floors",
                                "tree_sample_row_stats"]
     assert "tt.reduce" in modules["tree_sample_row_stats"] and "tt.reduce" in modules["tree_sample_floors"]
