@@ -80,7 +80,7 @@ def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer:
         return tree_attention_reference(q_BNHD, k_LBKSD[layer], v_LBKSD[layer], lengths_B, mask_BNM,
                                         scale=scale)
     if backend in ("mosaic", "mosaic_interpret"):
-        # Imported here: that module builds on this one's packing and merge helpers.
+        # Imported here: that module builds on this one's checks, split count and merge.
         from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
         return tree_attention_mgpu(q_BNHD, k_LBKSD[layer], v_LBKSD[layer], lengths_B, mask_BNM, scale=scale,
                                    interpret=backend == "mosaic_interpret", config=config)
@@ -243,22 +243,6 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
         plt.store(o_ref.at[rows_MD], o_MD)
         plt.store(m_ref.at[row_M], m_M)
         plt.store(l_ref.at[row_M], l_M)
-
-
-def _pack_queries(q_BNHD, num_kv, rows_pad):
-    """``[B, N, H, D]`` -> ``[B, K, rows_pad, D]`` with row ``g * N + i`` = node i of head g."""
-    batch, num_q, num_heads, head_dim = q_BNHD.shape
-    group = num_heads // num_kv
-    q_BKMD = q_BNHD.reshape(batch, num_q, num_kv, group, head_dim).transpose(0, 2, 3, 1, 4)
-    q_BKMD = q_BKMD.reshape(batch, num_kv, group * num_q, head_dim)
-    return jnp.pad(q_BKMD, ((0, 0), (0, 0), (0, rows_pad - group * num_q), (0, 0)))
-
-
-def _unpack_output(o_BKMD, num_q, num_heads):
-    batch, num_kv, _, head_dim = o_BKMD.shape
-    group = num_heads // num_kv
-    o_BKGND = o_BKMD[:, :, :group * num_q].reshape(batch, num_kv, group, num_q, head_dim)
-    return o_BKGND.transpose(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
 
 
 def _merge_splits(o_XJMD, m_XJM, l_XJM):

@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.configs import MOSAIC_TREE_ATTENTION_CONFIGS, TreeAttentionConfig
 from pallas_kernels.tree_attention import (
-    _merge_splits, _pack_queries, _round_up, _split_count, _unpack_output, check_shapes,
+    _merge_splits, _round_up, _split_count, check_shapes,
 )
 
 BLOCK = 64  # rows per program and keys per block: the wgmma M and a 128-byte bf16 row
@@ -281,6 +281,22 @@ def _interpret_params():
     if params is None:  # JAX 0.10 keeps the Mosaic GPU interpreter private
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
     return params()
+
+
+def _pack_queries(q_BNHD, num_kv, rows_pad):
+    """``[B, N, H, D]`` -> ``[B, K, rows_pad, D]`` with row ``g * N + i`` = node i of head g."""
+    batch, num_q, num_heads, head_dim = q_BNHD.shape
+    group = num_heads // num_kv
+    q_BKMD = q_BNHD.reshape(batch, num_q, num_kv, group, head_dim).transpose(0, 2, 3, 1, 4)
+    q_BKMD = q_BKMD.reshape(batch, num_kv, group * num_q, head_dim)
+    return jnp.pad(q_BKMD, ((0, 0), (0, 0), (0, rows_pad - group * num_q), (0, 0)))
+
+
+def _unpack_output(o_BKMD, num_q, num_heads):
+    batch, num_kv, _, head_dim = o_BKMD.shape
+    group = num_heads // num_kv
+    o_BKGND = o_BKMD[:, :, :group * num_q].reshape(batch, num_kv, group, num_q, head_dim)
+    return o_BKGND.transpose(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
