@@ -23,9 +23,8 @@ A kept set is a prefix of the order (descending z, ascending token id), written 
 ``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key``
 maps float32 to int32 preserving order. ``w`` comes from a radix search over a row's candidates
 in registers (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p), ``c``
-from the ties' ranks. Kept sets that no floor
-confines to ``capacity`` tokens fall back to the same searches done bit by bit with one pass
-over the row per bit.
+from the ties' ranks. Kept sets that no floor confines to ``capacity`` tokens fall back to the
+same searches done bit by bit, in the walk, with one pass over the row per bit.
 
 Accepting a child reads only the children's logits. The final draw removes the rejected
 children (marked in a per-request scratch row) and inverts the cumulative distribution in
