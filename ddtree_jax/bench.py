@@ -59,13 +59,7 @@ SHAPES = {
 
 def median_ms(fn, repeats: int) -> float:
     """Median wall time of ``fn()`` in ms over ``repeats`` warm calls (``block_until_ready``)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+    return float(np.median(interleaved_ms({"fn": fn}, repeats)["fn"]))
 
 
 def interleaved_ms(fns: dict, repeats: int) -> dict[str, list[float]]:

@@ -48,7 +48,7 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 VOCAB, DRAFT_DEPTH = 151_936, 15
 QWEN3_8B_WEIGHT_BYTES = 16.4e9
 # Tilings of the sweep part: m<block_m>k<block_k>w<warps>s<stages>, optionally p<min_programs>
-# and c<min_chunk>; fields left out come from the local GPU's table entry (sm_90: p512 c512).
+# and c<min_chunk>; fields left out come from the local GPU's table entry (sm_90: p512 c128).
 SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128k128w8s2",
                  "m64k64w4s3p528")
 _SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages",
@@ -271,8 +271,7 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, p
 
 def sweep_config(text: str) -> TreeAttentionConfig:
     """``"m64k128w4s2c1024"`` -> that tiling; fields left out keep the local table entry's values."""
-    fields = re.fullmatch(r"((?:[mkwspc]\d+)+)", text)
-    if fields is None:
+    if re.fullmatch(r"(?:[mkwspc]\d+)+", text) is None:
         raise SystemExit(f"--sweep-configs: {text!r} is not like m64k64w4s3[p528][c1024]")
     values = {_SWEEP_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspc])(\d+)", text)}
     return dataclasses.replace(configs.tree_attention_config(), **values)

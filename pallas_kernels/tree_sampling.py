@@ -259,6 +259,14 @@ def _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, to
     return w, c, jnp.sum(jnp.where(live & _kept(key, ids, w, c), e, 0.0))
 
 
+def _row_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p, top_k, top_p, capacity, vocab):
+    """``_candidate_boundary`` of the ``num`` candidates in slots ``row`` of the candidate refs."""
+    def boundary(size):
+        _, live, ids, key, e = _load_candidates(cand_z_ref, cand_id_ref, row, num, m, size, vocab)
+        return _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, top_p, vocab)
+    return _in_slots(num, capacity, boundary)
+
+
 def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
                    coins_ref, max_ref, argmax_ref, mass_ref, num_ref, w_ref, c_ref, kept_ref, block_mass_ref,
                    logits_ref, _rejected, _z, _id, rejected_ref, cand_z_ref, cand_id_ref, accept_ref, emitted_ref, *,
@@ -334,15 +342,8 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
             return num
         return _when(found, compact, jnp.int32(-1))
 
-    def in_slots(num, fn):
-        return _in_slots(num, capacity, fn)
-
     def candidates(cur, m, num, size):
         return _load_candidates(cand_z_ref, cand_id_ref, cand_row(cur), num, m, size, vocab)
-
-    def candidate_boundary(cur, m, total_all, num, size):
-        _, live, ids, key, e = candidates(cur, m, num, size)
-        return _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, top_p, vocab)
 
     # --- truncation by bit searches over whole rows (kept sets beyond ``capacity``) -------------
     def streamed_boundary(cur, m):
@@ -390,8 +391,8 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
                     found = lambda: (*(at_node(x_ref[...], cur) for x_ref in (w_ref, c_ref, kept_ref)), num)  # noqa: E731
                 else:
                     num = find_candidates(cur, m, total_all)
-                    found = lambda: (*in_slots(num, functools.partial(  # noqa: E731
-                        candidate_boundary, cur, m, total_all, num)), num)
+                    found = lambda: (*_row_boundary(cand_z_ref, cand_id_ref, cand_row(cur), num, m,  # noqa: E731
+                                                    total_all, use_k, use_p, top_k, top_p, capacity, vocab), num)
                 return _either(num >= 0, found, lambda: (*streamed_boundary(cur, m), jnp.int32(-1)))
 
             untruncated = (jnp.int32(_INT_MIN), jnp.int32(vocab), total_all, jnp.int32(-1))
@@ -505,7 +506,7 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
         return draw_residual(sums_K, lambda: full_K, draw_block)
 
     def sampled_draw():
-        return _either(num >= 0, lambda: in_slots(num, candidate_draw),
+        return _either(num >= 0, lambda: _in_slots(num, capacity, candidate_draw),
                        lambda: _either(use_k | use_p, streamed_draw, presummed_draw))
 
     token = _either(greedy, lambda: c - 1, sampled_draw)
@@ -685,14 +686,9 @@ def _boundary_kernel(num_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref
     """Program r: the kept-set boundary ``(w, c)`` and kept mass of row r from its candidates
     (``_candidate_boundary``); ``(INT_MIN, vocab, total)`` for a row without candidates."""
     num, m, total = num_ref[()], max_ref[()], mass_ref[()]
-
-    def boundary(size):
-        _, live, ids, key, e = _load_candidates(cand_z_ref, cand_id_ref, jnp.int32(0), num, m, size, vocab)
-        return _candidate_boundary(live, ids, key, e, m, total, use_k_ref[()] != 0, use_p_ref[()] != 0,
-                                   top_k_ref[()], top_p_ref[()], vocab)
-
-    w_ref[()], c_ref[()], kept_ref[()] = _when(num >= 0, lambda: _in_slots(num, capacity, boundary),
-                                               (jnp.int32(_INT_MIN), jnp.int32(vocab), total))
+    w_ref[()], c_ref[()], kept_ref[()] = _when(num >= 0, lambda: _row_boundary(
+        cand_z_ref, cand_id_ref, jnp.int32(0), num, m, total, use_k_ref[()] != 0, use_p_ref[()] != 0, top_k_ref[()],
+        top_p_ref[()], capacity, vocab), (jnp.int32(_INT_MIN), jnp.int32(vocab), total))
 
 
 def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, top_p_R, *, block, capacity,
