@@ -61,6 +61,8 @@ _FLOOR_PASSES = 3  # one geometric pass, then up to two refinements
 _LN2 = 0.6931471805599453
 _DRAW_BLOCK = 2048  # entries per precomputed block mass of the final draw
 _FEW_SLOTS = 256  # candidates searched in a smaller register tile when they fit it
+_SUB = 64  # entries per sub-block whose max the statistics keep
+_HOT_CHUNK = 128  # sub-blocks read per step when gathering the tokens above a floor
 # Up to this many node rows (batch x nodes), candidates are found over the whole GPU; beyond, the
 # walk of each request finds those of the rows it visits (fewer rows, and the requests fill the GPU).
 PARALLEL_ROWS = 1024
@@ -142,6 +144,12 @@ def _key_value(key):
 def _kept(key, ids, w, c):
     """Membership in the kept set with boundary ``(w, c)``."""
     return (key > w) | ((key == w) & (ids < c))
+
+
+def _barrier(interpret):
+    """Orders a program's scratch writes before its reads by other threads (none interpreted)."""
+    if not interpret:
+        plt.debug_barrier()
 
 
 def _either(pred, true_fn, false_fn):
@@ -269,8 +277,9 @@ def _row_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p,
 
 def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
                    coins_ref, max_ref, argmax_ref, mass_ref, num_ref, w_ref, c_ref, kept_ref, block_mass_ref,
-                   logits_ref, _rejected, _z, _id, rejected_ref, cand_z_ref, cand_id_ref, accept_ref, emitted_ref, *,
-                   vocab, block_v, draw_block, capacity, num_nodes, max_depth, prepared, interpret):
+                   sub_max_ref, logits_ref, _rejected, _z, _id, rejected_ref, cand_z_ref, cand_id_ref, hot_ref,
+                   accept_ref, emitted_ref, *, vocab, block_v, draw_block, capacity, num_nodes, max_depth, prepared,
+                   interpret):
     """Program b: the whole walk and final draw of request b. ``prepared``: the candidates of every
     truncated row come found (``num_ref``, ``cand_*_ref[row]``) with the row's kept-set boundary and
     mass (``w_ref``, ``c_ref``, ``kept_ref``); else the walk finds those of the rows it visits, the
@@ -290,9 +299,7 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
     def at_node(x_N, cur):
         return jnp.sum(jnp.where(node_ids == cur, x_N, 0))
 
-    def barrier():
-        if not interpret:  # scratch written by some threads is read by others (none interpreted)
-            plt.debug_barrier()
+    barrier = functools.partial(_barrier, interpret)
 
     def load_block(cur, start, size):
         return _load_block(logits_ref, (cur,), start, size, vocab, scale)
@@ -317,8 +324,9 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
         return cur if prepared else jnp.int32(0)
 
     def find_candidates(cur, m, total_all):
-        """The floor search and compaction of row ``cur`` by passes of this program; returns the
-        number of candidates, -1 if no floor confines the kept set to ``capacity`` tokens."""
+        """The candidates of row ``cur`` from its sub-block maxima, else by the floor search and
+        compaction in passes of this program; returns their number, -1 if no floor confines the
+        kept set to ``capacity`` tokens."""
         def search(carry):
             p, lo, hi, count_lo, _ = carry
             floors_F = _pass_floors(p, m, lo, hi)
@@ -329,18 +337,24 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
             ok_F = _holds(count_F, mass_F, use_k, top_k, top_p, total_all)
             return (p + 1, *_refine(lo, hi, count_lo, floors_F, count_F, ok_F, p=p, capacity=capacity)[:4])
 
-        init = (jnp.int32(0), jnp.float32(-jnp.inf), m, jnp.int32(vocab), jnp.bool_(vocab <= capacity))
-        _, lo, _, num, found = lax.while_loop(lambda c: _searching(c[0], c[1], c[4]), search, init)
+        def floor_search():
+            init = (jnp.int32(0), jnp.float32(-jnp.inf), m, jnp.int32(vocab), jnp.bool_(vocab <= capacity))
+            _, lo, _, num, found = lax.while_loop(lambda c: _searching(c[0], c[1], c[4]), search, init)
 
-        def compact():
-            def step(base, ids, valid, z, i):
-                sel = valid & (z >= lo)
-                _store_candidates(cand_z_ref, cand_id_ref, cand_row(cur), ids, z, sel, base, capacity)
-                return base + jnp.sum(sel.astype(jnp.int32))
-            fold_row(cur, step, jnp.int32(0), size=block_c)
-            barrier()
-            return num
-        return _when(found, compact, jnp.int32(-1))
+            def compact():
+                def step(base, ids, valid, z, i):
+                    sel = valid & (z >= lo)
+                    _store_candidates(cand_z_ref, cand_id_ref, cand_row(cur), ids, z, sel, base, capacity)
+                    return base + jnp.sum(sel.astype(jnp.int32))
+                fold_row(cur, step, jnp.int32(0), size=block_c)
+                barrier()
+                return num
+            return _when(found, compact, jnp.int32(-1))
+
+        num = _sub_block_candidates(sub_max_ref, logits_ref, (cur,), hot_ref, cand_z_ref, cand_id_ref, cand_row(cur),
+                                    m=m, total=total_all, scale=scale, use_k=use_k, top_k=top_k, top_p=top_p,
+                                    sub=_sub_size(draw_block), capacity=capacity, vocab=vocab, barrier=barrier)
+        return _either(num >= 0, lambda: num, floor_search)
 
     def candidates(cur, m, num, size):
         return _load_candidates(cand_z_ref, cand_id_ref, cand_row(cur), num, m, size, vocab)
@@ -543,22 +557,36 @@ def _draw_block(block_v: int) -> int:
     return min(block_v, _DRAW_BLOCK)
 
 
-def _block_stats_kernel(scale_ref, logits_ref, max_ref, argmax_ref, mass_ref, *, vocab, block, blocks):
+def _sub_size(block: int) -> int:
+    """Entries per sub-block whose max the statistics keep (a power of two dividing ``block``)."""
+    return min(_SUB, block)
+
+
+def _block_stats_kernel(scale_ref, logits_ref, max_ref, argmax_ref, mass_ref, sub_max_ref, *, vocab, block, blocks):
     """Program (row r, j): for each of the blocks ``j * blocks + g`` (g < ``blocks``), the max of
     ``z = logits * scale`` over the block, its first argmax and ``sum exp(z - block max)``
-    (``-inf``, ``vocab`` and 0 for a block past the vocabulary)."""
+    (``-inf``, ``vocab`` and 0 for a block past the vocabulary), and the max of each of its
+    sub-blocks (``_sub_size`` entries)."""
     slot_G = jnp.arange(blocks)
     max_G = jnp.full((blocks,), -jnp.inf, jnp.float32)
     argmax_G = jnp.full((blocks,), vocab, jnp.int32)
     mass_G = jnp.zeros((blocks,), jnp.float32)
     scale = scale_ref[()]
+    sub = _sub_size(block)
     for g in range(blocks):
-        ids, valid, z = _load_block(logits_ref, (), (pl.program_id(1) * blocks + g) * block, block, vocab, scale)
-        z = jnp.where(valid, z, -jnp.inf)
-        m = jnp.max(z)
+        start = (pl.program_id(1) * blocks + g) * block
+        ids_US = start + jnp.arange(block // sub)[:, None] * sub + jnp.arange(sub)[None, :]
+        valid_US = ids_US < vocab
+        z_US = _processed(plt.load(logits_ref.at[jnp.minimum(ids_US, vocab - 1)], mask=valid_US, other=0), scale)
+        z_US = jnp.where(valid_US, z_US, -jnp.inf)
+        sub_max_U = jnp.max(z_US, axis=1)
+        m = jnp.max(sub_max_U)
         max_G = jnp.where(slot_G == g, m, max_G)
-        argmax_G = jnp.where(slot_G == g, jnp.min(jnp.where(valid & (z == m), ids, vocab)), argmax_G)
-        mass_G = jnp.where(slot_G == g, jnp.sum(jnp.where(valid, jnp.exp(z - m), 0.0)), mass_G)
+        first_U = jnp.min(jnp.where(valid_US & (z_US == m), ids_US, vocab), axis=1)
+        argmax_G = jnp.where(slot_G == g, jnp.min(first_U), argmax_G)
+        mass_U = jnp.sum(jnp.where(valid_US, jnp.exp(z_US - m), 0.0), axis=1)
+        mass_G = jnp.where(slot_G == g, jnp.sum(mass_U), mass_G)
+        sub_max_ref[pl.ds(g * (block // sub), block // sub)] = sub_max_U
     max_ref[...] = max_G
     argmax_ref[...] = argmax_G
     mass_ref[...] = mass_G
@@ -566,23 +594,27 @@ def _block_stats_kernel(scale_ref, logits_ref, max_ref, argmax_ref, mass_ref, *,
 
 def _row_stats(logits_BNV, scale_B, draw_block, num_warps, interpret, blocks=1):
     """Per node row: ``max z`` (``z = logits * scale``, the request's inverse temperature), its
-    first argmax, ``sum exp(z - max)``, and that sum per ``draw_block``-entry block (``[B, N, K]``,
-    K a power of two, zero-padded). One read of the logits, one program per row and ``blocks`` blocks: the whole
-    GPU works on it even for a single request."""
+    first argmax, ``sum exp(z - max)``, that sum per ``draw_block``-entry block (``[B, N, K]``,
+    K a power of two, zero-padded) and the max of every sub-block of ``_sub_size(draw_block)``
+    entries (``[B, N, S]``, ``-inf`` past the vocabulary). One read of the logits, one program per
+    row and ``blocks`` blocks: the whole GPU works on it even for a single request."""
     batch, num_nodes, vocab = logits_BNV.shape
     rows, num_blocks = batch * num_nodes, pl.cdiv(vocab, draw_block)
     programs = pl.cdiv(num_blocks, blocks)
+    per_block = draw_block // _sub_size(draw_block)
     scale_R = jnp.repeat(scale_B, num_nodes)
     per_program = pl.BlockSpec((None, blocks), lambda r, j: (r, j))
-    max_RK, argmax_RK, mass_RK = (x[:, :num_blocks] for x in pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((rows, programs * blocks), dtype) for dtype in (jnp.float32, jnp.int32,
+                                                                                      jnp.float32)]
+    max_RK, argmax_RK, mass_RK, sub_max_RS = pl.pallas_call(
         functools.partial(_block_stats_kernel, vocab=vocab, block=draw_block, blocks=blocks), grid=(rows, programs),
         in_specs=[pl.BlockSpec((None,), lambda r, j: (r,)), pl.BlockSpec((None, vocab), lambda r, j: (r, 0))],
-        out_specs=[per_program] * 3,
-        out_shape=[jax.ShapeDtypeStruct((rows, programs * blocks), dtype) for dtype in (jnp.float32, jnp.int32,
-                                                                                        jnp.float32)],
+        out_specs=[per_program] * 3 + [pl.BlockSpec((None, blocks * per_block), lambda r, j: (r, j))],
+        out_shape=out_shape + [jax.ShapeDtypeStruct((rows, programs * blocks * per_block), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=min(num_warps, 4), num_stages=1),
         interpret=interpret, name="tree_sample_row_stats",
-    )(scale_R, logits_BNV.reshape(rows, vocab)))
+    )(scale_R, logits_BNV.reshape(rows, vocab))
+    max_RK, argmax_RK, mass_RK = (x[:, :num_blocks] for x in (max_RK, argmax_RK, mass_RK))
     max_R = jnp.max(max_RK, axis=1)
     first_K = jnp.argmax(max_RK == max_R[:, None], axis=1)  # the first block holding the max
     argmax_R = jnp.take_along_axis(argmax_RK, first_K[:, None], axis=1)[:, 0]
@@ -590,7 +622,7 @@ def _row_stats(logits_BNV, scale_B, draw_block, num_warps, interpret, blocks=1):
                       ((0, 0), (0, _pow2_at_least(num_blocks) - num_blocks)))
     shape = (batch, num_nodes)
     return (max_R.reshape(shape), argmax_R.reshape(shape), jnp.sum(mass_RK, axis=1).reshape(shape),
-            mass_RK.reshape(*shape, -1))
+            mass_RK.reshape(*shape, -1), sub_max_RS.reshape(*shape, -1))
 
 
 def _truncation(temperature_R, top_k_R, top_p_R, vocab):
@@ -655,6 +687,66 @@ def _store_candidates(cand_z_ref, cand_id_ref, row, ids, z, sel, base, capacity)
     plt.store(cand_id_ref.at[row, slot], ids, mask=sel)
 
 
+# --- candidates from the sub-block maxima: no pass over the row ----------------------------------
+def _sub_block_floor(sub_max_S, valid_S, m, total, use_k, top_k, top_p):
+    """``(floor key, found)``: the highest key such that the sub-block maxima at or above it alone
+    show that the kept set lies above it (at least k maxima for top-k, at least ``top_p`` of the
+    mass for top-p, as ``_holds``). ``found`` is false when even all maxima show neither."""
+    key_S = _order_key(sub_max_S)
+    e_S = _when(~use_k, lambda: jnp.where(valid_S, jnp.exp(sub_max_S - m), 0.0), jnp.zeros_like(sub_max_S))
+
+    def holds(u_R):
+        ge_RS = valid_S[None, :] & (key_S[None, :] >= u_R[:, None])
+        mass_R = _when(~use_k, lambda: jnp.sum(jnp.where(ge_RS, e_S[None, :], 0.0), axis=1),
+                       jnp.zeros(u_R.shape, jnp.float32))
+        return _holds(jnp.sum(ge_RS.astype(jnp.int32), axis=1), mass_R, use_k, top_k, top_p, total)
+
+    found = _holds(jnp.sum(valid_S.astype(jnp.int32)), jnp.sum(e_S), use_k, top_k, top_p, total)
+    return _when(found, lambda: _radix_search(holds), jnp.int32(_INT_MIN)), found
+
+
+def _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, cand_id_ref, cand_row, *, m, total, scale,
+                          use_k, top_k, top_p, sub, capacity, vocab, barrier):
+    """Candidates of a truncated row without a pass over it: the floor of ``_sub_block_floor``,
+    then the tokens at or above it, read from the sub-blocks whose max reaches it ("hot", listed
+    in ``hot_ref``), written in id order to candidate slots ``cand_row``. Returns their number, or
+    ``-1`` when no floor was found or more than ``capacity`` tokens reach it.
+
+    ``sub_max_ref.at[row]``: the row's sub-block maxima (``sub`` entries each); ``logits_ref.at[row]``
+    its logits; ``barrier()`` orders this program's scratch writes before its reads."""
+    width = sub_max_ref.shape[-1]
+    size = _pow2_at_least(width)
+    slots_S = jnp.arange(size)
+    valid_S = slots_S < width
+    sub_max_S = plt.load(sub_max_ref.at[(*row, pl.ds(0, size))], mask=valid_S, other=-jnp.inf)
+    floor, found = _sub_block_floor(sub_max_S, valid_S, m, total, use_k, top_k, top_p)
+    hot_S = valid_S & (_order_key(sub_max_S) >= floor)
+    num_hot = jnp.sum(hot_S.astype(jnp.int32))
+
+    def gather():
+        # Every hot sub-block holds a token at its max: more than ``capacity`` of them cannot fit.
+        plt.store(hot_ref.at[jnp.where(hot_S, jnp.cumsum(hot_S.astype(jnp.int32)) - 1, size)], slots_S, mask=hot_S)
+        barrier()
+        lane = jnp.arange(_HOT_CHUNK * sub)
+
+        def chunk(i, base):
+            h = i * _HOT_CHUNK + lane // sub
+            live = h < num_hot
+            ids = plt.load(hot_ref.at[jnp.where(live, h, size)], mask=live, other=0) * sub + lane % sub
+            live &= ids < vocab
+            z = _processed(plt.load(logits_ref.at[(*row, jnp.where(live, ids, 0))], mask=live, other=0), scale)
+            sel = live & (_order_key(z) >= floor)
+            fits = sel & (base + jnp.cumsum(sel.astype(jnp.int32)) <= capacity)
+            _store_candidates(cand_z_ref, cand_id_ref, cand_row, ids, z, fits, base, capacity)
+            return base + jnp.sum(sel.astype(jnp.int32))
+
+        num = lax.fori_loop(0, pl.cdiv(num_hot, _HOT_CHUNK), chunk, jnp.int32(0))
+        barrier()
+        return lax.select(num <= capacity, num, jnp.int32(-1))
+
+    return _when(found & (num_hot <= capacity), gather, jnp.int32(-1))
+
+
 # --- the floor search over the whole GPU: a program per (row, block) ---------------------------------
 def _floor_kernel(mode_ref, scale_ref, max_ref, floors_ref, logits_ref, count_ref, mass_ref, *, block):
     """Program (row r, block j): ``_floor_counts`` of the block; ``mode``: 0 (no pass for the row),
@@ -668,8 +760,8 @@ def _floor_kernel(mode_ref, scale_ref, max_ref, floors_ref, logits_ref, count_re
         count_ref[...], mass_ref[...] = _floor_counts(valid, z, floors_ref[...], max_ref[()], mode == 2)
 
 
-def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, cand_z_ref, cand_id_ref, *, block,
-                    capacity):
+def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, _z, _id, cand_z_ref, cand_id_ref, *,
+                    block, capacity):
     """Program (row r, block j) of an active row: writes the block's tokens with ``z >= floor`` to
     the row's candidate slots from ``offset`` on (the row's candidates in id order)."""
     j = pl.program_id(1)
@@ -679,6 +771,15 @@ def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, ca
         ids, valid, z = _load_block(logits_ref, (), j * block, block, logits_ref.shape[0], scale_ref[()])
         _store_candidates(cand_z_ref, cand_id_ref, 0, ids, z, valid & (z >= floor_ref[()]), offset_ref[()],
                           capacity)
+
+
+def _sub_block_kernel(scale_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref, top_p_ref, sub_max_ref, logits_ref,
+                      hot_ref, cand_z_ref, cand_id_ref, num_ref, *, sub, capacity, vocab, interpret):
+    """Program r: ``_sub_block_candidates`` of row r if it is truncated (``num = -1`` otherwise)."""
+    num_ref[()] = _when((use_k_ref[()] != 0) | (use_p_ref[()] != 0), lambda: _sub_block_candidates(
+        sub_max_ref, logits_ref, (), hot_ref, cand_z_ref, cand_id_ref, 0, m=max_ref[()], total=mass_ref[()],
+        scale=scale_ref[()], use_k=use_k_ref[()] != 0, top_k=top_k_ref[()], top_p=top_p_ref[()], sub=sub,
+        capacity=capacity, vocab=vocab, barrier=functools.partial(_barrier, interpret)), jnp.int32(-1))
 
 
 def _boundary_kernel(num_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref, top_p_ref, cand_z_ref,
@@ -691,25 +792,17 @@ def _boundary_kernel(num_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref
         top_p_ref[()], capacity, vocab), (jnp.int32(_INT_MIN), jnp.int32(vocab), total))
 
 
-def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, top_p_R, *, block, capacity,
-                num_warps, interpret):
-    """Candidates of the truncated rows: every kept token of the row, and at most ``capacity``.
-
-    The floor search (``_pass_floors``) over all rows at once: each pass is a program per row and
-    block (rows that need no pass return at once); then the tokens above the floor found are
-    written to the row's slots in id order, from offsets given by the per-block counts.
-
-    Then a program per row finds the kept-set boundary among its candidates (``_boundary_kernel``).
-
-    Returns ``num_R`` (candidates of the row; ``-1``: none, the row is untruncated or its kept
-    set is searched by passes over the row), ``z``, ids ``[R, 1, capacity + 1]`` (slot
-    ``capacity`` is spare) and the boundaries ``w_R``, ``c_R`` and kept masses ``kept_R``.
-    """
+def _floor_candidates(logits_RV, scale_R, max_R, mass_R, search_R, use_k_R, top_k_R, top_p_R, num_R, cand_z_R1C,
+                      cand_id_R1C, *, block, capacity, params, interpret):
+    """Candidates of the rows ``search_R`` by passes over the whole GPU (the rows whose sub-block
+    maxima confine no candidates): the floor search (``_pass_floors``), each pass a program per row
+    and block (other rows return at once); then the tokens above the floor found are written to the
+    row's slots in id order, from offsets given by the per-block counts. Other rows keep ``num_R``
+    and their slots of ``cand_*_R1C``."""
     rows, vocab = logits_RV.shape
     num_blocks = pl.cdiv(vocab, block)
     per_row = pl.BlockSpec((None,), lambda r, j: (r,))
     row = pl.BlockSpec((None, vocab), lambda r, j: (r, 0))
-    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
     holds = jax.vmap(_holds)
 
     lo_R = jnp.full((rows,), -jnp.inf, jnp.float32)
@@ -718,7 +811,7 @@ def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, to
     found_R = jnp.full((rows,), vocab <= capacity)
     per_block_RP = jnp.broadcast_to(jnp.minimum(block, vocab - block * jnp.arange(num_blocks)), (rows, num_blocks))
     for p in range(_FLOOR_PASSES):
-        active_R = (use_k_R | use_p_R) & _searching(p, lo_R, found_R)
+        active_R = search_R & _searching(p, lo_R, found_R)
         floors_RF = jax.vmap(functools.partial(_pass_floors, p))(max_R, lo_R, hi_R)
         count_RPF, mass_RPF = pl.pallas_call(
             functools.partial(_floor_kernel, block=block), grid=(rows, num_blocks),
@@ -737,16 +830,64 @@ def _candidates(logits_RV, scale_R, max_R, mass_R, use_k_R, use_p_R, top_k_R, to
         lo_R, hi_R, count_R, found_R = (jnp.where(active_R, new, old) for new, old in zip(
             state, (lo_R, hi_R, count_R, found_R)))
 
-    compact_R = (use_k_R | use_p_R) & found_R
+    compact_R = search_R & found_R
     slots = pl.BlockSpec((None, 1, capacity + 1), lambda r, j: (r, 0, 0))
-    cand_shape = [jax.ShapeDtypeStruct((rows, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)]
     cand_z_R1C, cand_id_R1C = pl.pallas_call(
         functools.partial(_compact_kernel, block=block, capacity=capacity), grid=(rows, num_blocks),
-        in_specs=[per_row, per_row, per_row, pl.BlockSpec((None, None), lambda r, j: (r, j)), row],
-        out_specs=[slots, slots], out_shape=cand_shape,
-        compiler_params=params, interpret=interpret, name="tree_sample_candidates",
-    )(compact_R.astype(jnp.int32), scale_R, lo_R, jnp.cumsum(per_block_RP, axis=1) - per_block_RP, logits_RV)
-    num_R = jnp.where(compact_R, count_R, -1)
+        in_specs=[per_row, per_row, per_row, pl.BlockSpec((None, None), lambda r, j: (r, j)), row, slots, slots],
+        out_specs=[slots, slots], out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (cand_z_R1C, cand_id_R1C)],
+        input_output_aliases={5: 0, 6: 1}, compiler_params=params, interpret=interpret, name="tree_sample_candidates",
+    )(compact_R.astype(jnp.int32), scale_R, lo_R, jnp.cumsum(per_block_RP, axis=1) - per_block_RP, logits_RV,
+      cand_z_R1C, cand_id_R1C)
+    return jnp.where(compact_R, count_R, num_R), cand_z_R1C, cand_id_R1C
+
+
+def _sub_block_pass(logits_RV, scale_R, max_R, mass_R, sub_max_RS, use_k_R, use_p_R, top_k_R, top_p_R, *, sub, capacity,
+                    params, interpret):
+    """``_sub_block_candidates`` of every truncated row, a program per row: ``num_R`` (``-1`` for
+    rows without) and the candidate slots ``z``, ids ``[R, 1, capacity + 1]``."""
+    rows, vocab = logits_RV.shape
+    width = sub_max_RS.shape[1]
+    scalar = pl.BlockSpec((None,), lambda r: (r,))
+    cand_row = pl.BlockSpec((None, 1, capacity + 1), lambda r: (r, 0, 0))
+    hot_size = _pow2_at_least(width) + 1
+    *_, cand_z_R1C, cand_id_R1C, num_R = pl.pallas_call(
+        functools.partial(_sub_block_kernel, sub=sub, capacity=capacity, vocab=vocab, interpret=interpret),
+        grid=(rows,), in_specs=[scalar] * 7 + [pl.BlockSpec((None, width), lambda r: (r, 0)),
+                                               pl.BlockSpec((None, vocab), lambda r: (r, 0))],
+        out_specs=[pl.BlockSpec((None, hot_size), lambda r: (r, 0)), cand_row, cand_row, scalar],
+        out_shape=[jax.ShapeDtypeStruct((rows, hot_size), jnp.int32),
+                   *(jax.ShapeDtypeStruct((rows, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)),
+                   jax.ShapeDtypeStruct((rows,), jnp.int32)],
+        compiler_params=params, interpret=interpret, name="tree_sample_sub_blocks",
+    )(scale_R, max_R, mass_R, use_k_R.astype(jnp.int32), use_p_R.astype(jnp.int32), top_k_R, top_p_R, sub_max_RS,
+      logits_RV)
+    return num_R, cand_z_R1C, cand_id_R1C
+
+
+def _candidates(logits_RV, scale_R, max_R, mass_R, sub_max_RS, use_k_R, use_p_R, top_k_R, top_p_R, *, block, sub,
+                capacity, num_warps, interpret):
+    """Candidates of the truncated rows: every kept token of the row, and at most ``capacity``.
+
+    A program per row finds them from the row's sub-block maxima (``sub`` entries each,
+    ``_sub_block_pass``); the rows that this leaves without get them from the floor search over the
+    whole GPU (``_floor_candidates``, run only when there are such rows). Then a program per row
+    finds the kept-set boundary among its candidates (``_boundary_kernel``).
+
+    Returns ``num_R`` (candidates of the row; ``-1``: none, the row is untruncated or its kept
+    set is searched by passes over the row), ``z``, ids ``[R, 1, capacity + 1]`` (slot
+    ``capacity`` is spare) and the boundaries ``w_R``, ``c_R`` and kept masses ``kept_R``.
+    """
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+    num_R, cand_z_R1C, cand_id_R1C = _sub_block_pass(logits_RV, scale_R, max_R, mass_R, sub_max_RS, use_k_R, use_p_R,
+                                                     top_k_R, top_p_R, sub=sub, capacity=capacity, params=params,
+                                                     interpret=interpret)
+    search_R = (use_k_R | use_p_R) & (num_R < 0)
+    num_R, cand_z_R1C, cand_id_R1C = lax.cond(jnp.any(search_R), lambda: _floor_candidates(
+        logits_RV, scale_R, max_R, mass_R, search_R, use_k_R, top_k_R, top_p_R, num_R, cand_z_R1C, cand_id_R1C,
+        block=block, capacity=capacity, params=params, interpret=interpret),
+        lambda: (num_R, cand_z_R1C, cand_id_R1C))
+    rows, vocab = logits_RV.shape
     scalar = pl.BlockSpec((None,), lambda r: (r,))
     cand_row = pl.BlockSpec((None, 1, capacity + 1), lambda r: (r, 0, 0))
     w_R, c_R, kept_R = pl.pallas_call(
@@ -772,8 +913,8 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     pad_nodes = lambda x, value: jnp.pad(  # noqa: E731
         x, ((0, 0), (0, nodes_pad - num_nodes)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
     scale_B = inverse_temperature(temperature_B)
-    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits_BNV, scale_B, draw_block, num_warps, interpret,
-                                                             stats_blocks)
+    max_BN, argmax_BN, mass_BN, block_mass_BNK, sub_max_BNS = _row_stats(logits_BNV, scale_B, draw_block, num_warps,
+                                                                          interpret, stats_blocks)
     per_row = lambda x_B: jnp.repeat(x_B, num_nodes)  # noqa: E731
     top_k_R, top_p_R = per_row(top_k_B), per_row(top_p_B)
     use_k_R, use_p_R = _truncation(per_row(temperature_B), top_k_R, top_p_R, vocab)
@@ -785,8 +926,9 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     if prepared:
         num_R, cand_z_R1C, cand_id_R1C, *bounds_R = lax.cond(jnp.any(use_k_R | use_p_R), lambda: _candidates(
             logits_BNV.reshape(batch * num_nodes, vocab), per_row(scale_B), max_BN.reshape(-1), mass_BN.reshape(-1),
-            use_k_R, use_p_R, top_k_R, top_p_R, block=_candidate_block(block_v),
-            capacity=capacity, num_warps=num_warps, interpret=interpret), lambda: none)
+            sub_max_BNS.reshape(batch * num_nodes, -1), use_k_R, use_p_R, top_k_R, top_p_R,
+            block=_candidate_block(block_v), sub=_sub_size(draw_block), capacity=capacity, num_warps=num_warps,
+            interpret=interpret), lambda: none)
     else:
         num_R, cand_z_R1C, cand_id_R1C, *bounds_R = none
     kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, draw_block=draw_block,
@@ -800,21 +942,23 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     cands = [cand_z_R1C.reshape(cand_shape), cand_id_R1C.reshape(cand_shape)]
     out_shape = [jax.ShapeDtypeStruct((batch, vocab), jnp.int8),  # rejected-token marks
                  *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in cands),
+                 jax.ShapeDtypeStruct((batch, _pow2_at_least(sub_max_BNS.shape[2]) + 1), jnp.int32),  # hot sub-blocks
                  jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32),
                  jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32)]
     *_, accept_BD, emitted_BD = pl.pallas_call(
         kernel, grid=(batch,),
         in_specs=[scalar] * 5 + [per_node] * 10 + [rows((nodes_pad, block_mass_BNK.shape[2])),
-                                                    rows((num_nodes, vocab)), row(vocab)] + [rows(cand_shape[1:])] * 2,
+                                                    rows(sub_max_BNS.shape[1:]), rows((num_nodes, vocab)), row(vocab)]
+        + [rows(cand_shape[1:])] * 2,
         out_specs=[rows(x.shape[1:]) for x in out_shape], out_shape=out_shape,
-        input_output_aliases={17: 0, 18: 1, 19: 2},
+        input_output_aliases={18: 0, 19: 1, 20: 2},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="tree_sample",
     )(temperature_B, scale_B, top_k_B, top_p_B, final_coins_B, pad_nodes(tokens_BN, 0), pad_nodes(parents_BN, -1),
       pad_nodes(coins_BN, 1.0), pad_nodes(max_BN, 0.0), pad_nodes(argmax_BN, 0), pad_nodes(mass_BN, 1.0),
       pad_nodes(num_R.reshape(batch, num_nodes), -1),
       *(pad_nodes(x_R.reshape(batch, num_nodes), 0) for x_R in bounds_R), pad_nodes(block_mass_BNK, 0.0),
-      logits_BNV, jnp.zeros((batch, vocab), jnp.int8), *cands)
+      sub_max_BNS, logits_BNV, jnp.zeros((batch, vocab), jnp.int8), *cands)
     return _verify_result(accept_BD[:, :max_depth + 1], emitted_BD[:, :max_depth + 1], num_nodes)
 
 

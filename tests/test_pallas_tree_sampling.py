@@ -16,8 +16,8 @@ from ddtree_jax.sampling import inverse_temperature
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_sampling import (PARALLEL_ROWS, _candidates, _order_key, _row_stats, _tree_sample_pallas,
-                                          _truncation, tree_sample)
+from pallas_kernels.tree_sampling import (PARALLEL_ROWS, _candidates, _order_key, _row_stats, _sub_block_pass,
+                                          _tree_sample_pallas, _truncation, tree_sample)
 
 FIELDS = ("accept_index", "num_accepted", "predicts", "emitted", "bonus")
 
@@ -133,7 +133,7 @@ def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype, blocks)
     logits = jnp.asarray(logits, dtype)
     temperature = jnp.asarray([0.0, 0.7], jnp.float32)
     scale = inverse_temperature(temperature)  # greedy rows: 1
-    max_BN, argmax_BN, mass_BN, block_mass_BNK = _row_stats(logits, scale, block, 4, True, blocks)
+    max_BN, argmax_BN, mass_BN, block_mass_BNK, sub_max_BNS = _row_stats(logits, scale, block, 4, True, blocks)
     z = np.asarray(logits, np.float32) * np.asarray(scale)[:, None, None]
     np.testing.assert_array_equal(np.asarray(max_BN), z.max(-1))
     np.testing.assert_array_equal(np.asarray(argmax_BN), z.argmax(-1))
@@ -144,41 +144,28 @@ def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype, blocks)
     np.testing.assert_allclose(np.asarray(block_mass_BNK[..., :num_blocks]), block_sums, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(block_mass_BNK[..., num_blocks:]), 0.0)
     np.testing.assert_allclose(np.asarray(mass_BN), e.sum(-1), rtol=1e-5)
+    sub = min(64, block)
+    num_subs = -(-vocab // sub)
+    padded = np.pad(z, ((0, 0), (0, 0), (0, num_subs * sub - vocab)), constant_values=-np.inf)
+    np.testing.assert_array_equal(np.asarray(sub_max_BNS[..., :num_subs]), padded.reshape(2, 3, num_subs, sub).max(-1))
+    np.testing.assert_array_equal(np.asarray(sub_max_BNS[..., num_subs:]), -np.inf)
 
 
 CANDIDATE_ROWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 3, 1.0), (0.7, 40, 1.0), (1.0, 0, 0.3), (1.3, 0, 0.9),
                   (0.5, 20, 0.8), (2.0, 1000, 1.0), (1.0, 0, 0.999)]
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), vocab=st.integers(1, 700), block=st.sampled_from([16, 64, 256]),
-       capacity=st.sampled_from([16, 64, 1024]), tie_step=st.sampled_from([None, 1.0]))
-def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, tie_step):
-    """The candidate pass: a truncated row's candidates are, in id order, all the tokens above a
-    floor, at most ``capacity``, and they hold its kept set (top-k: at least k tokens; top-p: at
-    least ``top_p`` of the mass); greedy and untruncated rows have none. Small top-k always finds
-    candidates. The boundary found from them keeps exactly the oracle's kept set, and its mass."""
-    rng = np.random.default_rng(seed)
-    logits = 3.0 * rng.standard_normal((len(CANDIDATE_ROWS), vocab)).astype(np.float32)
-    logits = np.round(logits / tie_step) * tie_step if tie_step else logits
-    t, k, p = params(*CANDIDATE_ROWS)
-    scale = inverse_temperature(t)
-    max_BN, _, mass_BN, _ = _row_stats(jnp.asarray(logits)[:, None], scale, block, 4, True)
-    use_k, use_p = _truncation(t, k, p, vocab)
-    num, cand_z, cand_id, w, c, kept = _candidates(jnp.asarray(logits), scale, max_BN[:, 0], mass_BN[:, 0], use_k,
-                                                   use_p, k, p, block=block, capacity=capacity, num_warps=4,
-                                                   interpret=True)
-    num, cand_z, cand_id = np.asarray(num), np.asarray(cand_z)[:, 0], np.asarray(cand_id)[:, 0]
-    z = logits * np.asarray(scale)[:, None]
-    key = np.asarray(_order_key(jnp.asarray(z)))
-    oracle_probs = oracle.target_probs(logits[:, None], t, k, p)[:, 0]
+def assert_candidates(num, cand_z, cand_id, z, capacity):
+    """Per truncated row of ``CANDIDATE_ROWS`` with candidates (``num >= 0``): in id order, all the
+    tokens above a floor, at most ``capacity``, holding the kept set (top-k: at least k tokens;
+    top-p: at least ``top_p`` of the mass); untruncated rows have none. Returns the truncated rows."""
+    vocab = z.shape[1]
+    truncated = []
     for r, (temperature, top_k, top_p) in enumerate(CANDIDATE_ROWS):
-        truncated = temperature > 0 and (0 < top_k < vocab or top_p < 1)
-        if not truncated:
+        if not (temperature > 0 and (0 < top_k < vocab or top_p < 1)):
             assert num[r] == -1, r
             continue
-        if top_k and top_k <= 3 and not tie_step:
-            assert num[r] >= 0, r
+        truncated.append(r)
         if num[r] < 0:
             continue
         ids = cand_id[r, :num[r]]
@@ -190,6 +177,44 @@ def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, 
             assert num[r] >= top_k, r
         else:
             assert e[ids].sum() >= top_p * e.sum() * 1.00005, r
+    return truncated
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), vocab=st.integers(1, 700), block=st.sampled_from([16, 64, 256]),
+       capacity=st.sampled_from([16, 64, 1024]), tie_step=st.sampled_from([None, 1.0]))
+def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, tie_step):
+    """The candidate passes (``assert_candidates``), first from the sub-block maxima alone, then
+    with the floor search for the rows those leave without. Small top-k always finds candidates
+    from the maxima. The boundary found from them keeps exactly the oracle's kept set, and its
+    mass."""
+    rng = np.random.default_rng(seed)
+    logits = 3.0 * rng.standard_normal((len(CANDIDATE_ROWS), vocab)).astype(np.float32)
+    logits = np.round(logits / tie_step) * tie_step if tie_step else logits
+    t, k, p = params(*CANDIDATE_ROWS)
+    scale = inverse_temperature(t)
+    max_BN, _, mass_BN, _, sub_max_BNS = _row_stats(jnp.asarray(logits)[:, None], scale, block, 4, True)
+    use_k, use_p = _truncation(t, k, p, vocab)
+    inputs = (jnp.asarray(logits), scale, max_BN[:, 0], mass_BN[:, 0], sub_max_BNS[:, 0], use_k, use_p, k, p)
+    z = logits * np.asarray(scale)[:, None]
+    fast = [np.asarray(x) for x in _sub_block_pass(*inputs, sub=min(64, block), capacity=capacity, params=None,
+                                                     interpret=True)]
+    assert_candidates(fast[0], fast[1][:, 0], fast[2][:, 0], z, capacity)
+    if vocab > 3 and capacity >= 3 * min(64, block) and not tie_step:
+        assert fast[0][2] >= 0  # top-k 3: three sub-blocks hold every candidate
+    num, cand_z, cand_id, w, c, kept = _candidates(*inputs, block=block, sub=min(64, block), capacity=capacity,
+                                                   num_warps=4, interpret=True)
+    num, cand_z, cand_id = np.asarray(num), np.asarray(cand_z)[:, 0], np.asarray(cand_id)[:, 0]
+    np.testing.assert_array_equal(num[fast[0] >= 0], fast[0][fast[0] >= 0])
+    truncated = assert_candidates(num, cand_z, cand_id, z, capacity)
+    if vocab > 3 and not tie_step:
+        assert num[2] >= 0
+    key = np.asarray(_order_key(jnp.asarray(z)))
+    oracle_probs = oracle.target_probs(logits[:, None], t, k, p)[:, 0]
+    for r in truncated:
+        if num[r] < 0:
+            continue
+        e = np.exp(z[r].astype(np.float64) - z[r].max())
         kept_set = (key[r] > w[r]) | ((key[r] == w[r]) & (np.arange(vocab) < c[r]))
         np.testing.assert_array_equal(kept_set, oracle_probs[r] > 0, err_msg=str(r))
         np.testing.assert_allclose(float(kept[r]), e[kept_set].sum(), rtol=1e-5)
@@ -249,9 +274,9 @@ def test_invalid_arguments(kwargs, match):
                                                                  (jnp.bfloat16, 1, PARALLEL_ROWS),
                                                                  (jnp.float32, 16, PARALLEL_ROWS), (jnp.float32, 1, 0)])
 def test_lowers_to_valid_triton_ir(dtype, stats_blocks, parallel_rows):
-    """Qwen3-sized vocabulary: the kernels (statistics, floors, candidates, boundaries, walk; with
-    ``parallel_rows=0`` statistics and a walk that finds candidates itself) lower to Triton IR that
-    the MLIR verifier accepts."""
+    """Qwen3-sized vocabulary: the kernels (statistics, sub-block candidates, floors, candidates,
+    boundaries, walk; with ``parallel_rows=0`` statistics and a walk that finds candidates itself)
+    lower to Triton IR that the MLIR verifier accepts."""
     batch, nodes, vocab = 4, 65, 151936
     s = jax.ShapeDtypeStruct
     args = [s((batch, nodes), jnp.int32), s((batch, nodes), jnp.int32), s((batch, nodes, vocab), dtype),
@@ -265,9 +290,10 @@ def test_lowers_to_valid_triton_ir(dtype, stats_blocks, parallel_rows):
         assert sorted(modules) == ["tree_sample", "tree_sample_row_stats"]
         return
     assert sorted(modules) == ["tree_sample", "tree_sample_boundaries", "tree_sample_candidates", "tree_sample_floors",
-                               "tree_sample_row_stats"]
+                               "tree_sample_row_stats", "tree_sample_sub_blocks"]
     assert "tt.reduce" in modules["tree_sample_row_stats"] and "tt.reduce" in modules["tree_sample_floors"]
-    assert "tt.scan" in modules["tree_sample_candidates"] and "tt.scan" in modules["tree_sample"]
+    scans = ("tree_sample_candidates", "tree_sample_sub_blocks", "tree_sample")
+    assert all("tt.scan" in modules[name] for name in scans)
 
 
 def test_gpu_equality_script_sampling_checks_run_interpreted():
