@@ -62,7 +62,8 @@ _LN2 = 0.6931471805599453
 _DRAW_BLOCK = 2048  # entries per precomputed block mass of the final draw
 _FEW_SLOTS = 256  # candidates searched in a smaller register tile when they fit it
 _SUB = 64  # entries per sub-block whose max the statistics keep
-_HOT_CHUNK = 128  # sub-blocks read per step when gathering the tokens above a floor
+_SUB_CHUNK = 512  # sub-block maxima compared with the floors per step
+_HOT_CHUNK = 32  # sub-blocks read per step when gathering the tokens above a floor
 # Up to this many node rows (batch x nodes), candidates are found over the whole GPU; beyond, the
 # walk of each request finds those of the rows it visits (fewer rows, and the requests fill the GPU).
 PARALLEL_ROWS = 1024
@@ -574,19 +575,13 @@ def _block_stats_kernel(scale_ref, logits_ref, max_ref, argmax_ref, mass_ref, su
     scale = scale_ref[()]
     sub = _sub_size(block)
     for g in range(blocks):
-        start = (pl.program_id(1) * blocks + g) * block
-        ids_US = start + jnp.arange(block // sub)[:, None] * sub + jnp.arange(sub)[None, :]
-        valid_US = ids_US < vocab
-        z_US = _processed(plt.load(logits_ref.at[jnp.minimum(ids_US, vocab - 1)], mask=valid_US, other=0), scale)
-        z_US = jnp.where(valid_US, z_US, -jnp.inf)
-        sub_max_U = jnp.max(z_US, axis=1)
-        m = jnp.max(sub_max_U)
+        ids, valid, z = _load_block(logits_ref, (), (pl.program_id(1) * blocks + g) * block, block, vocab, scale)
+        z = jnp.where(valid, z, -jnp.inf)
+        m = jnp.max(z)
         max_G = jnp.where(slot_G == g, m, max_G)
-        first_U = jnp.min(jnp.where(valid_US & (z_US == m), ids_US, vocab), axis=1)
-        argmax_G = jnp.where(slot_G == g, jnp.min(first_U), argmax_G)
-        mass_U = jnp.sum(jnp.where(valid_US, jnp.exp(z_US - m), 0.0), axis=1)
-        mass_G = jnp.where(slot_G == g, jnp.sum(mass_U), mass_G)
-        sub_max_ref[pl.ds(g * (block // sub), block // sub)] = sub_max_U
+        argmax_G = jnp.where(slot_G == g, jnp.min(jnp.where(valid & (z == m), ids, vocab)), argmax_G)
+        mass_G = jnp.where(slot_G == g, jnp.sum(jnp.where(valid, jnp.exp(z - m), 0.0)), mass_G)
+        sub_max_ref[pl.ds(g * (block // sub), block // sub)] = jnp.max(z.reshape(block // sub, sub), axis=1)
     max_ref[...] = max_G
     argmax_ref[...] = argmax_G
     mass_ref[...] = mass_G
@@ -688,21 +683,33 @@ def _store_candidates(cand_z_ref, cand_id_ref, row, ids, z, sel, base, capacity)
 
 
 # --- candidates from the sub-block maxima: no pass over the row ----------------------------------
-def _sub_block_floor(sub_max_S, valid_S, m, total, use_k, top_k, top_p):
-    """``(floor key, found)``: the highest key such that the sub-block maxima at or above it alone
-    show that the kept set lies above it (at least k maxima for top-k, at least ``top_p`` of the
-    mass for top-p, as ``_holds``). ``found`` is false when even all maxima show neither."""
-    key_S = _order_key(sub_max_S)
-    e_S = _when(~use_k, lambda: jnp.where(valid_S, jnp.exp(sub_max_S - m), 0.0), jnp.zeros_like(sub_max_S))
+def _sub_block_floor(sub_max_ref, row, width, m, total, use_k, top_k, top_p):
+    """``(floor, found)``: a floor such that the sub-block maxima at or above it alone show that the
+    kept set lies above it (at least k maxima for top-k, at least ``top_p`` of the mass for top-p,
+    as ``_holds``): the highest of the geometric floors of ``_pass_floors`` that holds, then the
+    highest of the linear floors between it and the one above. ``found`` is false when none of
+    the geometric floors holds. The ``width`` maxima of ``sub_max_ref.at[row]`` are read in
+    chunks of ``_SUB_CHUNK``."""
+    chunk = min(_SUB_CHUNK, _pow2_at_least(width))
+    index_F = jnp.arange(_FLOORS)
 
-    def holds(u_R):
-        ge_RS = valid_S[None, :] & (key_S[None, :] >= u_R[:, None])
-        mass_R = _when(~use_k, lambda: jnp.sum(jnp.where(ge_RS, e_S[None, :], 0.0), axis=1),
-                       jnp.zeros(u_R.shape, jnp.float32))
-        return _holds(jnp.sum(ge_RS.astype(jnp.int32), axis=1), mass_R, use_k, top_k, top_p, total)
+    def highest_holding(floors_F, default):
+        def step(i, acc):
+            slots = i * chunk + jnp.arange(chunk)
+            valid = slots < width
+            sub_max = plt.load(sub_max_ref.at[(*row, pl.ds(i * chunk, chunk))], mask=valid, other=-jnp.inf)
+            return jax.tree.map(jnp.add, acc, _floor_counts(valid, sub_max, floors_F, m, ~use_k))
 
-    found = _holds(jnp.sum(valid_S.astype(jnp.int32)), jnp.sum(e_S), use_k, top_k, top_p, total)
-    return _when(found, lambda: _radix_search(holds), jnp.int32(_INT_MIN)), found
+        count_F, mass_F = lax.fori_loop(0, pl.cdiv(width, chunk), step, (jnp.zeros((_FLOORS,), jnp.int32),
+                                                                         jnp.zeros((_FLOORS,), jnp.float32)))
+        ok_F = _holds(count_F, mass_F, use_k, top_k, top_p, total)
+        first = jnp.min(jnp.where(ok_F, index_F, _FLOORS))
+        pick = lambda j: jnp.sum(jnp.where(index_F == j, floors_F, 0.0))  # noqa: E731
+        return lax.select(first < _FLOORS, pick(first), default), first, lax.select(first > 0, pick(first - 1), m)
+
+    lo, first, hi = highest_holding(_pass_floors(0, m, -jnp.inf, m), jnp.float32(-jnp.inf))
+    floor, *_ = highest_holding(_pass_floors(1, m, lo, hi), lo)
+    return floor, first < _FLOORS
 
 
 def _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, cand_id_ref, cand_row, *, m, total, scale,
@@ -718,9 +725,9 @@ def _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, can
     size = _pow2_at_least(width)
     slots_S = jnp.arange(size)
     valid_S = slots_S < width
+    floor, found = _sub_block_floor(sub_max_ref, row, width, m, total, use_k, top_k, top_p)
     sub_max_S = plt.load(sub_max_ref.at[(*row, pl.ds(0, size))], mask=valid_S, other=-jnp.inf)
-    floor, found = _sub_block_floor(sub_max_S, valid_S, m, total, use_k, top_k, top_p)
-    hot_S = valid_S & (_order_key(sub_max_S) >= floor)
+    hot_S = valid_S & (sub_max_S >= floor)
     num_hot = jnp.sum(hot_S.astype(jnp.int32))
 
     def gather():
@@ -735,7 +742,7 @@ def _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, can
             ids = plt.load(hot_ref.at[jnp.where(live, h, size)], mask=live, other=0) * sub + lane % sub
             live &= ids < vocab
             z = _processed(plt.load(logits_ref.at[(*row, jnp.where(live, ids, 0))], mask=live, other=0), scale)
-            sel = live & (_order_key(z) >= floor)
+            sel = live & (z >= floor)
             fits = sel & (base + jnp.cumsum(sel.astype(jnp.int32)) <= capacity)
             _store_candidates(cand_z_ref, cand_id_ref, cand_row, ids, z, fits, base, capacity)
             return base + jnp.sum(sel.astype(jnp.int32))
