@@ -9,14 +9,17 @@ Before the walk, passes over every node row at once (a program per row and vocab
 that the whole GPU works even for one request):
 
 - statistics (one read of the logits; ``stats_blocks`` blocks of 2,048 entries per program):
-  ``m = max z``, its first argmax, ``sum exp(z - m)`` and that sum per block. A greedy or
-  untruncated row then needs no pass of its own;
+  ``m = max z``, its first argmax, ``sum exp(z - m)``, that sum per block, and the max of every
+  64-entry sub-block. A greedy or untruncated row then needs no pass of its own;
 - candidates of the truncated (top-k / top-p) rows, when there are at most ``parallel_rows``
-  node rows: the tokens (top-k) or their mass (top-p) above 16 floors below ``m`` (geometric,
-  refined linearly at most twice) give the highest floor that the kept set lies above, and the
-  tokens above it (at most 256 if the first two passes find such a floor, else at most
-  ``capacity``) are written, in id order, to the row's candidate slots; then a program per row
-  finds the row's kept set among them (below). With more rows the requests' programs fill the
+  node rows: a program per row picks a floor from the row's sub-block maxima alone (at least k
+  maxima above it for top-k, at least ``top_p`` of the mass in them for top-p: 16 floors below
+  ``m``, geometric, then 16 linear ones), and writes the tokens above it, in id order, to the
+  row's candidate slots, reading only the sub-blocks whose max reaches the floor. Rows for which
+  that finds no floor, or more than ``capacity`` tokens above it, get theirs from passes over
+  the whole row (the same floors over all tokens, refined linearly at most twice, then a
+  compaction pass; a program per row and vocabulary block). Then a program per row finds the
+  row's kept set among its candidates (below). With more rows the requests' programs fill the
   GPU, and each does the same for the rows it visits only.
 
 A kept set is a prefix of the order (descending z, ascending token id), written as a boundary
