@@ -734,7 +734,6 @@ def _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, can
     num_hot = jnp.sum(hot_S.astype(jnp.int32))
 
     def gather():
-        # Every hot sub-block holds a token at its max: more than ``capacity`` of them cannot fit.
         plt.store(hot_ref.at[jnp.where(hot_S, jnp.cumsum(hot_S.astype(jnp.int32)) - 1, size)], slots_S, mask=hot_S)
         barrier()
         lane = jnp.arange(_HOT_CHUNK * sub)
@@ -754,6 +753,7 @@ def _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, can
         barrier()
         return lax.select(num <= capacity, num, jnp.int32(-1))
 
+    # Every hot sub-block holds a token at its max: more than ``capacity`` of them cannot fit.
     return _when(found & (num_hot <= capacity), gather, jnp.int32(-1))
 
 

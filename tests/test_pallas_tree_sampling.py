@@ -197,15 +197,16 @@ def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, 
     use_k, use_p = _truncation(t, k, p, vocab)
     inputs = (jnp.asarray(logits), scale, max_BN[:, 0], mass_BN[:, 0], sub_max_BNS[:, 0], use_k, use_p, k, p)
     z = logits * np.asarray(scale)[:, None]
-    fast = [np.asarray(x) for x in _sub_block_pass(*inputs, sub=min(64, block), capacity=capacity, params=None,
-                                                     interpret=True)]
-    assert_candidates(fast[0], fast[1][:, 0], fast[2][:, 0], z, capacity)
-    if vocab > 3 and capacity >= 3 * min(64, block) and not tie_step:
-        assert fast[0][2] >= 0  # top-k 3: three sub-blocks hold every candidate
-    num, cand_z, cand_id, w, c, kept = _candidates(*inputs, block=block, sub=min(64, block), capacity=capacity,
-                                                   num_warps=4, interpret=True)
+    sub = min(64, block)  # the statistics' sub-block size
+    fast_num, fast_z, fast_id = (np.asarray(x) for x in _sub_block_pass(*inputs, sub=sub, capacity=capacity,
+                                                                         params=None, interpret=True))
+    assert_candidates(fast_num, fast_z[:, 0], fast_id[:, 0], z, capacity)
+    if vocab > 3 and capacity >= 3 * sub and not tie_step:
+        assert fast_num[2] >= 0  # top-k 3: three sub-blocks hold every candidate
+    num, cand_z, cand_id, w, c, kept = _candidates(*inputs, block=block, sub=sub, capacity=capacity, num_warps=4,
+                                                   interpret=True)
     num, cand_z, cand_id = np.asarray(num), np.asarray(cand_z)[:, 0], np.asarray(cand_id)[:, 0]
-    np.testing.assert_array_equal(num[fast[0] >= 0], fast[0][fast[0] >= 0])
+    np.testing.assert_array_equal(num[fast_num >= 0], fast_num[fast_num >= 0])
     truncated = assert_candidates(num, cand_z, cand_id, z, capacity)
     if vocab > 3 and not tie_step:
         assert num[2] >= 0
