@@ -5,29 +5,31 @@ walk of DESIGN.md §2 (sgl-kernel "target-only" tree rejection sampling, thresho
 processed target row (``z = logits * (1 / T)``, then top-k, then top-p, see
 ``ddtree_jax.sampling``) is never materialised and never sorted.
 
-Before the walk, passes over every node row at once (a program per row and vocabulary block, so
-that the whole GPU works even for one request):
+Before the walk, two passes over every node row (a program per row, and per vocabulary block for
+the first, so that the whole GPU works even for one request):
 
 - statistics (one read of the logits; ``stats_blocks`` blocks of 2,048 entries per program):
-  ``m = max z``, its first argmax, ``sum exp(z - m)``, that sum per block, and the max of every
-  64-entry sub-block. A greedy or untruncated row then needs no pass of its own;
-- candidates of the truncated (top-k / top-p) rows, when there are at most ``parallel_rows``
-  node rows: a program per row picks a floor from the row's sub-block maxima alone (at least k
-  maxima above it for top-k, at least ``top_p`` of the mass in them for top-p: 16 floors below
-  ``m``, geometric, then 16 linear ones), and writes the tokens above it, in id order, to the
-  row's candidate slots, reading only the sub-blocks whose max reaches the floor. Rows for which
-  that finds no floor, or more than ``capacity`` tokens above it, get theirs from passes over
-  the whole row (the same floors over all tokens, refined linearly at most twice, then a
-  compaction pass; a program per row and vocabulary block). Then a program per row finds the
-  row's kept set among its candidates (below). With more rows the requests' programs fill the
-  GPU, and each does the same for the rows it visits only.
+  per block, ``max z``, its first argmax and ``sum exp(z - block max)``, and the max of every
+  64-entry sub-block;
+- rows: a program per row combines its blocks into ``m = max z``, the first argmax and
+  ``sum exp(z - m)`` (a greedy or untruncated row needs nothing more), and, when there are at most
+  ``parallel_rows`` node rows, finds the candidates and kept set of a truncated (top-k / top-p)
+  row. It picks a floor from the row's sub-block maxima alone (at least k maxima above it for
+  top-k, at least ``top_p`` of the mass in them for top-p: 16 floors below ``m``, geometric, then
+  16 linear ones) and writes the tokens above it, in id order, to the row's candidate slots,
+  reading only the sub-blocks whose max reaches the floor. A row for which that finds no floor,
+  or more than ``capacity`` tokens above it, searches the same floors over all its tokens
+  (refined linearly at most twice, a pass over the row each), then writes those above the floor
+  found. With more rows the requests' programs fill the GPU, and each walk does the same for the
+  rows it visits only.
 
 A kept set is a prefix of the order (descending z, ascending token id), written as a boundary
 ``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key``
-maps float32 to int32 preserving order. ``w`` comes from a radix search over a row's candidates
-in registers (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p), ``c``
-from the ties' ranks. Kept sets that no floor confines to ``capacity`` tokens fall back to the
-same searches done bit by bit, in the walk, with one pass over the row per bit.
+maps float32 to int32 preserving order. Among at most 256 candidates it is read off each one's
+rank in the order and the mass before it (all pairs compared); among more, ``w`` comes from a radix
+search in registers (4 bits per step, the k-th largest key for top-k, the mass prefix for top-p)
+and ``c`` from the ties' ranks. Kept sets that no floor confines to ``capacity`` tokens fall back
+to the same searches done bit by bit, in the walk, with one pass over the row per bit.
 
 Accepting a child reads only the children's logits. The final draw removes the rejected
 children (marked in a per-request scratch row) and inverts the cumulative distribution in
@@ -63,11 +65,12 @@ _FLOORS = 16  # candidate floors tried per pass
 _FLOOR_PASSES = 3  # one geometric pass, then up to two refinements
 _LN2 = 0.6931471805599453
 _DRAW_BLOCK = 2048  # entries per precomputed block mass of the final draw
-_FEW_SLOTS = 256  # candidates searched in a smaller register tile when they fit it
+_FEW_SLOTS = 256  # candidates ranked (all pairs), not searched, and drawn from in a smaller tile when they fit it
+_PAIR_CHUNK = 32  # candidates compared with all the others per step of the ranking
 _SUB = 64  # entries per sub-block whose max the statistics keep
 _SUB_CHUNK = 512  # sub-block maxima compared with the floors per step
 _HOT_CHUNK = 32  # sub-blocks read per step when gathering the tokens above a floor
-# Up to this many node rows (batch x nodes), candidates are found over the whole GPU; beyond, the
+# Up to this many node rows (batch x nodes), candidates are found a program per row; beyond, the
 # walk of each request finds those of the rows it visits (fewer rows, and the requests fill the GPU).
 PARALLEL_ROWS = 1024
 
@@ -93,8 +96,8 @@ def tree_sample(tree: DraftTree, target_logits_BNV, coins_BN, final_coins_B, tem
       stats_blocks: vocabulary blocks (of 2,048 entries at most) per program of the row-statistics
         pass; more blocks mean fewer, longer programs.
       parallel_rows: with at most this many node rows (``B * N``), the candidates of every
-        truncated row are found by passes over the whole GPU before the walk; with more, each
-        request's program finds those of the rows it visits.
+        truncated row are found before the walk, a program per row; with more, each request's
+        program finds those of the rows it visits.
 
     Returns:
       ``VerifyResult`` as ``verify_from_coins``.
@@ -230,14 +233,40 @@ def _in_slots(num, capacity, fn):
     return fn(capacity) if few == capacity else _either(num <= few, lambda: fn(few), lambda: fn(capacity))
 
 
-def _load_candidates(cand_z_ref, cand_id_ref, row, num, m, size, vocab):
-    """``(slots, live, ids, keys, exp(z - m))`` of the first ``size`` candidate slots of ``row``, of
-    which the first ``num`` are live (the others read as id ``vocab``, mass 0)."""
-    slots = jnp.arange(size)
+def _load_candidates(cand_z_ref, cand_id_ref, row, num, m, size, vocab, start=0):
+    """``(slots, live, ids, keys, exp(z - m))`` of candidate slots ``[start, start + size)`` of ``row``,
+    of which those below ``num`` are live (the others read as id ``vocab``, mass 0)."""
+    slots = start + jnp.arange(size)
     live = slots < num
-    z = jnp.where(live, plt.load(cand_z_ref.at[row, pl.ds(0, size)]), -jnp.inf)
-    ids = jnp.where(live, plt.load(cand_id_ref.at[row, pl.ds(0, size)]), vocab)
+    z = jnp.where(live, plt.load(cand_z_ref.at[row, pl.ds(start, size)]), -jnp.inf)
+    ids = jnp.where(live, plt.load(cand_id_ref.at[row, pl.ds(start, size)]), vocab)
     return slots, live, ids, _order_key(z), jnp.where(live, jnp.exp(z - m), 0.0)
+
+
+def _ranked_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p, top_k, top_p, size, vocab):
+    """``_candidate_boundary`` of at most ``size`` candidates without a serial search: each candidate's
+    rank in the order and the mass before it, from all pairs (``_PAIR_CHUNK`` candidates against
+    all at a time); kept iff ``rank < k`` and ``mass before < top_p * kept-by-k mass``."""
+    _, live, ids, key, e = _load_candidates(cand_z_ref, cand_id_ref, row, num, m, size, vocab)
+    pair_chunk = min(_PAIR_CHUNK, size)
+
+    def chunk(i, acc):
+        rank, before = acc
+        _, live_j, ids_j, key_j, e_j = _load_candidates(cand_z_ref, cand_id_ref, row, num, m, pair_chunk, vocab,
+                                                        start=i * pair_chunk)
+        ahead_IJ = live_j[None, :] & ((key_j[None, :] > key[:, None]) | (
+            (key_j[None, :] == key[:, None]) & (ids_j[None, :] < ids[:, None])))
+        return (rank + jnp.sum(ahead_IJ.astype(jnp.int32), axis=1),
+                before + jnp.sum(jnp.where(ahead_IJ, e_j[None, :], 0.0), axis=1))
+
+    rank, before = lax.fori_loop(0, pl.cdiv(num, pair_chunk), chunk,
+                                 (jnp.zeros((size,), jnp.int32), jnp.zeros((size,), jnp.float32)))
+    in_k = live & (~use_k | (rank < top_k))
+    target = top_p * lax.select(use_k, jnp.sum(jnp.where(in_k, e, 0.0)), total_all)
+    kept = in_k & (~use_p | (before < target))
+    last = kept & (rank == jnp.max(jnp.where(kept, rank, -1)))
+    return (jnp.sum(jnp.where(last, key, 0)), jnp.sum(jnp.where(last, ids, 0)) + 1,
+            jnp.sum(jnp.where(kept, e, 0.0)))
 
 
 def _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, top_p, vocab):
@@ -272,22 +301,31 @@ def _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, to
 
 
 def _row_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p, top_k, top_p, capacity, vocab):
-    """``_candidate_boundary`` of the ``num`` candidates in slots ``row`` of the candidate refs."""
-    def boundary(size):
-        _, live, ids, key, e = _load_candidates(cand_z_ref, cand_id_ref, row, num, m, size, vocab)
+    """Boundary ``(w, c)`` and kept mass of the ``num`` candidates in slots ``row`` of the candidate
+    refs: ranked (``_ranked_boundary``) when they fit ``_FEW_SLOTS``, else searched in registers
+    (``_candidate_boundary``)."""
+    few = min(_FEW_SLOTS, capacity)
+    ranked = lambda: _ranked_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p,  # noqa: E731
+                                      top_k, top_p, few, vocab)
+    if few == capacity:
+        return ranked()
+
+    def searched():
+        _, live, ids, key, e = _load_candidates(cand_z_ref, cand_id_ref, row, num, m, capacity, vocab)
         return _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, top_p, vocab)
-    return _in_slots(num, capacity, boundary)
+    return _either(num <= few, ranked, searched)
 
 
 def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
-                   coins_ref, max_ref, argmax_ref, mass_ref, num_ref, w_ref, c_ref, kept_ref, block_mass_ref,
-                   sub_max_ref, logits_ref, _rejected, _z, _id, rejected_ref, cand_z_ref, cand_id_ref, hot_ref,
-                   accept_ref, emitted_ref, *, vocab, block_v, draw_block, capacity, num_nodes, max_depth, prepared,
-                   interpret):
-    """Program b: the whole walk and final draw of request b. ``prepared``: the candidates of every
-    truncated row come found (``num_ref``, ``cand_*_ref[row]``) with the row's kept-set boundary and
-    mass (``w_ref``, ``c_ref``, ``kept_ref``); else the walk finds those of the rows it visits, the
-    candidates in ``cand_*_ref[0]``."""
+                   coins_ref, max_ref, argmax_ref, total_ref, num_ref, w_ref, c_ref, kept_ref, block_max_ref,
+                   block_mass_ref, sub_max_ref, logits_ref, _rejected, _z, _id, rejected_ref, cand_z_ref, cand_id_ref,
+                   hot_ref, accept_ref, emitted_ref, *, vocab, block_v, draw_block, capacity, num_nodes, max_depth,
+                   prepared, interpret):
+    """Program b: the whole walk and final draw of request b, given each node row's statistics
+    (``_rows``). ``prepared``: the candidates of every truncated row come found (``num_ref``,
+    ``cand_*_ref[row]``) with the row's kept-set boundary and mass (``w_ref``, ``c_ref``,
+    ``kept_ref``); else the walk finds those of the rows it visits, the candidates in
+    ``cand_*_ref[0]``."""
     nodes_pad = tokens_ref.shape[0]
     block_c = _candidate_block(block_v)
     temperature = temperature_ref[()]
@@ -298,10 +336,10 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
     node_ids = jnp.arange(nodes_pad)
     tokens = tokens_ref[...]
     parents = parents_ref[...]
-    coins = coins_ref[...]
 
-    def at_node(x_N, cur):
-        return jnp.sum(jnp.where(node_ids == cur, x_N, 0))
+    def at_node(x_ref, node):
+        """``x_ref[node]``, one scalar load (a node past the tree reads the last padding slot)."""
+        return x_ref[jnp.minimum(node, nodes_pad - 1)]
 
     barrier = functools.partial(_barrier, interpret)
 
@@ -309,10 +347,7 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
         return _load_block(logits_ref, (cur,), start, size, vocab, scale)
 
     def fold_row(cur, fn, init, size=block_v):
-        """Fold ``fn(carry, ids, valid, z, block)`` over the vocabulary blocks of row ``cur``."""
-        def body(i, carry):
-            return fn(carry, *load_block(cur, i * size, size), i)
-        return lax.fori_loop(0, pl.cdiv(vocab, size), body, init)
+        return _fold_row(logits_ref, (cur,), scale, vocab, fn, init, size)
 
     # --- passes over a row ----------------------------------------------------------------------
     def count(cur, pred):
@@ -323,42 +358,8 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
         return fold_row(cur, lambda s, ids, valid, z, i: s + jnp.sum(
             jnp.where(valid & pred(_order_key(z), ids), jnp.exp(z - m), 0.0)), jnp.float32(0.0))
 
-    # --- truncation by candidates: exact searches in registers ------------------------------------
     def cand_row(cur):
         return cur if prepared else jnp.int32(0)
-
-    def find_candidates(cur, m, total_all):
-        """The candidates of row ``cur`` from its sub-block maxima, else by the floor search and
-        compaction in passes of this program; returns their number, -1 if no floor confines the
-        kept set to ``capacity`` tokens."""
-        def search(carry):
-            p, lo, hi, count_lo, _ = carry
-            floors_F = _pass_floors(p, m, lo, hi)
-            count_F, mass_F = fold_row(cur, lambda acc, ids, valid, z, i: jax.tree.map(
-                jnp.add, acc, _floor_counts(valid, z, floors_F, m, ~use_k)), (jnp.zeros((_FLOORS,), jnp.int32),
-                                                                        jnp.zeros((_FLOORS,), jnp.float32)),
-                size=block_c)
-            ok_F = _holds(count_F, mass_F, use_k, top_k, top_p, total_all)
-            return (p + 1, *_refine(lo, hi, count_lo, floors_F, count_F, ok_F, p=p, capacity=capacity)[:4])
-
-        def floor_search():
-            init = (jnp.int32(0), jnp.float32(-jnp.inf), m, jnp.int32(vocab), jnp.bool_(vocab <= capacity))
-            _, lo, _, num, found = lax.while_loop(lambda c: _searching(c[0], c[1], c[4]), search, init)
-
-            def compact():
-                def step(base, ids, valid, z, i):
-                    sel = valid & (z >= lo)
-                    _store_candidates(cand_z_ref, cand_id_ref, cand_row(cur), ids, z, sel, base, capacity)
-                    return base + jnp.sum(sel.astype(jnp.int32))
-                fold_row(cur, step, jnp.int32(0), size=block_c)
-                barrier()
-                return num
-            return _when(found, compact, jnp.int32(-1))
-
-        num = _sub_block_candidates(sub_max_ref, logits_ref, (cur,), hot_ref, cand_z_ref, cand_id_ref, cand_row(cur),
-                                    m=m, total=total_all, scale=scale, use_k=use_k, top_k=top_k, top_p=top_p,
-                                    sub=_sub_size(draw_block), capacity=capacity, vocab=vocab, barrier=barrier)
-        return _either(num >= 0, lambda: num, floor_search)
 
     def candidates(cur, m, num, size):
         return _load_candidates(cand_z_ref, cand_id_ref, cand_row(cur), num, m, size, vocab)
@@ -396,22 +397,23 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
     def row_stats(cur):
         """``(m, w, c, total, num)`` of row ``cur``: max, kept-set boundary, kept mass and the
         number of candidates in the scratch (``-1``: the kept set is streamed from the row)."""
-        m, total_all = at_node(max_ref[...], cur), at_node(mass_ref[...], cur)
+        m, total_all = at_node(max_ref, cur), at_node(total_ref, cur)
 
         def greedy_stats():
-            return m, _order_key(m), at_node(argmax_ref[...], cur) + 1, jnp.float32(1.0), jnp.int32(-1)
+            return m, _order_key(m), at_node(argmax_ref, cur) + 1, jnp.float32(1.0), jnp.int32(-1)
 
         def sampled_stats():
 
             def truncated():
                 if prepared:
-                    num = at_node(num_ref[...], cur)
-                    found = lambda: (*(at_node(x_ref[...], cur) for x_ref in (w_ref, c_ref, kept_ref)), num)  # noqa: E731
+                    num, w, c, kept = (at_node(x_ref, cur) for x_ref in (num_ref, w_ref, c_ref, kept_ref))
                 else:
-                    num = find_candidates(cur, m, total_all)
-                    found = lambda: (*_row_boundary(cand_z_ref, cand_id_ref, cand_row(cur), num, m,  # noqa: E731
-                                                    total_all, use_k, use_p, top_k, top_p, capacity, vocab), num)
-                return _either(num >= 0, found, lambda: (*streamed_boundary(cur, m), jnp.int32(-1)))
+                    num, w, c, kept = _candidate_stats(
+                        logits_ref, (cur,), sub_max_ref, hot_ref, cand_z_ref, cand_id_ref, cand_row(cur), m=m,
+                        total=total_all, scale=scale, use_k=use_k, use_p=use_p, top_k=top_k, top_p=top_p,
+                        vocab=vocab, block_c=block_c, sub=_sub_size(draw_block), capacity=capacity, barrier=barrier)
+                return _either(num >= 0, lambda: (w, c, kept, num),
+                               lambda: (*streamed_boundary(cur, m), jnp.int32(-1)))
 
             untruncated = (jnp.int32(_INT_MIN), jnp.int32(vocab), total_all, jnp.int32(-1))
             return (m, *_when(use_k | use_p, truncated, untruncated))
@@ -429,12 +431,12 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
         is_child = children(cur)
         z = _processed(plt.load(logits_ref.at[cur, tokens]), scale)
         q = jnp.where(is_child & _kept(_order_key(z), tokens, w, c), jnp.exp(z - m) / total, 0.0)
-        coin = at_node(coins, cur)
+        coin = at_node(coins_ref, cur)
         hit = is_child & (coin <= jnp.cumsum(q))
         tries = active & (t < max_depth)
         took = tries & (jnp.max(hit.astype(jnp.int32)) > 0)
         child = jnp.min(jnp.where(hit, node_ids, nodes_pad))
-        token = at_node(tokens, child)
+        token = at_node(tokens_ref, child)
         accept = jnp.where(took & (jnp.arange(accept.shape[0]) == t + 1), child, accept)
         emitted = jnp.where(took & (jnp.arange(emitted.shape[0]) == t), token, emitted)
         return (lax.select(took, child, cur), active & (took | (t >= max_depth)),
@@ -452,7 +454,7 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
     # with duplicate indices may write the old value back over a mark (the interpreter does).
     rejected = children(cur) & ~active
     first = jnp.min(jnp.where(rejected, node_ids, nodes_pad))
-    first_token = at_node(tokens, first)
+    first_token = at_node(tokens_ref, first)
     plt.store(rejected_ref.at[jnp.where(rejected, tokens, first_token)], jnp.ones((nodes_pad,), jnp.int8),
               mask=jnp.broadcast_to(first < nodes_pad, (nodes_pad,)))
     barrier()
@@ -509,7 +511,9 @@ def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_
     def presummed_draw():
         """Untruncated rows: the block sums of the whole row come precomputed; only the blocks that
         hold rejected children are summed again, without them."""
-        full_K = plt.load(block_mass_ref.at[cur, pl.ds(0, block_mass_ref.shape[1])])
+        width = block_mass_ref.shape[1]
+        full_K = _rescaled(plt.load(block_mass_ref.at[cur, pl.ds(0, width)]),
+                           plt.load(block_max_ref.at[cur, pl.ds(0, width)]), m, pl.cdiv(vocab, draw_block))
         block_ids = jnp.arange(full_K.shape[0])
         blocks_N = jnp.where(rejected, tokens // draw_block, full_K.shape[0])
 
@@ -567,8 +571,8 @@ def _sub_size(block: int) -> int:
 
 
 def _block_stats_kernel(scale_ref, logits_ref, max_ref, argmax_ref, mass_ref, sub_max_ref, *, vocab, block, blocks):
-    """Program (row r, j): for each of the blocks ``j * blocks + g`` (g < ``blocks``), the max of
-    ``z = logits * scale`` over the block, its first argmax and ``sum exp(z - block max)``
+    """Program (b, n, j): for each of the blocks ``j * blocks + g`` (g < ``blocks``) of row (b, n), the
+    max of ``z = logits * scale`` over the block, its first argmax and ``sum exp(z - block max)``
     (``-inf``, ``vocab`` and 0 for a block past the vocabulary), and the max of each of its
     sub-blocks (``_sub_size`` entries)."""
     slot_G = jnp.arange(blocks)
@@ -578,7 +582,7 @@ def _block_stats_kernel(scale_ref, logits_ref, max_ref, argmax_ref, mass_ref, su
     scale = scale_ref[()]
     sub = _sub_size(block)
     for g in range(blocks):
-        ids, valid, z = _load_block(logits_ref, (), (pl.program_id(1) * blocks + g) * block, block, vocab, scale)
+        ids, valid, z = _load_block(logits_ref, (), (pl.program_id(2) * blocks + g) * block, block, vocab, scale)
         z = jnp.where(valid, z, -jnp.inf)
         m = jnp.max(z)
         max_G = jnp.where(slot_G == g, m, max_G)
@@ -590,37 +594,29 @@ def _block_stats_kernel(scale_ref, logits_ref, max_ref, argmax_ref, mass_ref, su
     mass_ref[...] = mass_G
 
 
-def _row_stats(logits_BNV, scale_B, draw_block, num_warps, interpret, blocks=1):
-    """Per node row: ``max z`` (``z = logits * scale``, the request's inverse temperature), its
-    first argmax, ``sum exp(z - max)``, that sum per ``draw_block``-entry block (``[B, N, K]``,
-    K a power of two, zero-padded) and the max of every sub-block of ``_sub_size(draw_block)``
-    entries (``[B, N, S]``, ``-inf`` past the vocabulary). One read of the logits, one program per
-    row and ``blocks`` blocks: the whole GPU works on it even for a single request."""
+def _row_stats(logits_BNV, scale_B, nodes_pad, draw_block, num_warps, interpret, blocks=1):
+    """Per node row and ``draw_block``-entry block: ``max z`` (``z = logits * scale``, the request's
+    inverse temperature), its first argmax and ``sum exp(z - block max)`` (each ``[B, nodes_pad, K]``,
+    K a power of two), and the max of every sub-block of ``_sub_size(draw_block)`` entries
+    (``[B, nodes_pad, S]``, ``-inf`` past the vocabulary). Rows past N and blocks past the last
+    program's are left unwritten. One read of the logits, one program per row and ``blocks``
+    blocks: the whole GPU works on it even for a single request."""
     batch, num_nodes, vocab = logits_BNV.shape
-    rows, num_blocks = batch * num_nodes, pl.cdiv(vocab, draw_block)
-    programs = pl.cdiv(num_blocks, blocks)
+    programs = pl.cdiv(pl.cdiv(vocab, draw_block), blocks)
     per_block = draw_block // _sub_size(draw_block)
-    scale_R = jnp.repeat(scale_B, num_nodes)
-    per_program = pl.BlockSpec((None, blocks), lambda r, j: (r, j))
-    out_shape = [jax.ShapeDtypeStruct((rows, programs * blocks), dtype) for dtype in (jnp.float32, jnp.int32,
-                                                                                      jnp.float32)]
-    max_RK, argmax_RK, mass_RK, sub_max_RS = pl.pallas_call(
-        functools.partial(_block_stats_kernel, vocab=vocab, block=draw_block, blocks=blocks), grid=(rows, programs),
-        in_specs=[pl.BlockSpec((None,), lambda r, j: (r,)), pl.BlockSpec((None, vocab), lambda r, j: (r, 0))],
-        out_specs=[per_program] * 3 + [pl.BlockSpec((None, blocks * per_block), lambda r, j: (r, j))],
-        out_shape=out_shape + [jax.ShapeDtypeStruct((rows, programs * blocks * per_block), jnp.float32)],
+    per_program = pl.BlockSpec((None, None, blocks), lambda b, n, j: (b, n, j))
+    return pl.pallas_call(
+        functools.partial(_block_stats_kernel, vocab=vocab, block=draw_block, blocks=blocks),
+        grid=(batch, num_nodes, programs),
+        in_specs=[pl.BlockSpec((None,), lambda b, n, j: (b,)), pl.BlockSpec((None, None, vocab),
+                                                                          lambda b, n, j: (b, n, 0))],
+        out_specs=[per_program] * 3 + [pl.BlockSpec((None, None, blocks * per_block), lambda b, n, j: (b, n, j))],
+        out_shape=[jax.ShapeDtypeStruct((batch, nodes_pad, _pow2_at_least(programs * blocks)), dtype)
+                   for dtype in (jnp.float32, jnp.int32, jnp.float32)]
+        + [jax.ShapeDtypeStruct((batch, nodes_pad, programs * blocks * per_block), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=min(num_warps, 4), num_stages=1),
         interpret=interpret, name="tree_sample_row_stats",
-    )(scale_R, logits_BNV.reshape(rows, vocab))
-    max_RK, argmax_RK, mass_RK = (x[:, :num_blocks] for x in (max_RK, argmax_RK, mass_RK))
-    max_R = jnp.max(max_RK, axis=1)
-    first_K = jnp.argmax(max_RK == max_R[:, None], axis=1)  # the first block holding the max
-    argmax_R = jnp.take_along_axis(argmax_RK, first_K[:, None], axis=1)[:, 0]
-    mass_RK = jnp.pad(mass_RK * jnp.exp(max_RK - max_R[:, None]),
-                      ((0, 0), (0, _pow2_at_least(num_blocks) - num_blocks)))
-    shape = (batch, num_nodes)
-    return (max_R.reshape(shape), argmax_R.reshape(shape), jnp.sum(mass_RK, axis=1).reshape(shape),
-            mass_RK.reshape(*shape, -1), sub_max_RS.reshape(*shape, -1))
+    )(scale_B, logits_BNV)
 
 
 def _truncation(temperature_R, top_k_R, top_p_R, vocab):
@@ -757,157 +753,134 @@ def _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, can
     return _when(found & (num_hot <= capacity), gather, jnp.int32(-1))
 
 
-# --- the floor search over the whole GPU: a program per (row, block) ---------------------------------
-def _floor_kernel(mode_ref, scale_ref, max_ref, floors_ref, logits_ref, count_ref, mass_ref, *, block):
-    """Program (row r, block j): ``_floor_counts`` of the block; ``mode``: 0 (no pass for the row),
-    1 (counts only, a top-k row), 2 (counts and masses)."""
-    j = pl.program_id(1)  # read outside the branch: the interpreter cannot lower it inside
-    mode = mode_ref[()]
-
-    @pl.when(mode != 0)
-    def _():
-        _, valid, z = _load_block(logits_ref, (), j * block, block, logits_ref.shape[0], scale_ref[()])
-        count_ref[...], mass_ref[...] = _floor_counts(valid, z, floors_ref[...], max_ref[()], mode == 2)
+def _fold_row(logits_ref, row, scale, vocab, fn, init, size):
+    """Fold ``fn(carry, ids, valid, z, block)`` over the ``size``-entry blocks of logits row
+    ``logits_ref.at[row]`` (``z = logits * scale``)."""
+    def body(i, carry):
+        return fn(carry, *_load_block(logits_ref, row, i * size, size, vocab, scale), i)
+    return lax.fori_loop(0, pl.cdiv(vocab, size), body, init)
 
 
-def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, _z, _id, cand_z_ref, cand_id_ref, *,
-                    block, capacity):
-    """Program (row r, block j) of an active row: writes the block's tokens with ``z >= floor`` to
-    the row's candidate slots from ``offset`` on (the row's candidates in id order)."""
-    j = pl.program_id(1)
+def _find_candidates(logits_ref, row, sub_max_ref, hot_ref, cand_z_ref, cand_id_ref, cand_row, *, m, total, scale,
+                     use_k, top_k, top_p, vocab, block_c, sub, capacity, barrier, floor_search=True):
+    """Candidates of a truncated row, written in id order to slots ``cand_row`` of the candidate refs;
+    returns their number, ``-1`` when no floor confines the kept set to ``capacity`` tokens.
 
-    @pl.when(active_ref[()] != 0)
-    def _():
-        ids, valid, z = _load_block(logits_ref, (), j * block, block, logits_ref.shape[0], scale_ref[()])
-        _store_candidates(cand_z_ref, cand_id_ref, 0, ids, z, valid & (z >= floor_ref[()]), offset_ref[()],
-                          capacity)
+    First from the row's sub-block maxima (``_sub_block_candidates``); for a row that leaves without
+    and ``floor_search``, by the floor search over the whole row (``_pass_floors``, refined
+    linearly, one pass over the row each, ``block_c`` entries per step), then a pass that writes
+    the tokens above the floor found."""
+    num = _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, cand_id_ref, cand_row, m=m,
+                                total=total, scale=scale, use_k=use_k, top_k=top_k, top_p=top_p, sub=sub,
+                                capacity=capacity, vocab=vocab, barrier=barrier)
+    if not floor_search:
+        return num
+    fold = lambda fn, init: _fold_row(logits_ref, row, scale, vocab, fn, init, block_c)  # noqa: E731
 
+    def search(carry):
+        p, lo, hi, count_lo, _ = carry
+        floors_F = _pass_floors(p, m, lo, hi)
+        count_F, mass_F = fold(lambda acc, ids, valid, z, i: jax.tree.map(
+            jnp.add, acc, _floor_counts(valid, z, floors_F, m, ~use_k)), (jnp.zeros((_FLOORS,), jnp.int32),
+                                                                    jnp.zeros((_FLOORS,), jnp.float32)))
+        ok_F = _holds(count_F, mass_F, use_k, top_k, top_p, total)
+        return (p + 1, *_refine(lo, hi, count_lo, floors_F, count_F, ok_F, p=p, capacity=capacity)[:4])
 
-def _sub_block_kernel(scale_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref, top_p_ref, sub_max_ref, logits_ref,
-                      hot_ref, cand_z_ref, cand_id_ref, num_ref, *, sub, capacity, vocab, interpret):
-    """Program r: ``_sub_block_candidates`` of row r if it is truncated (``num = -1`` otherwise)."""
-    num_ref[()] = _when((use_k_ref[()] != 0) | (use_p_ref[()] != 0), lambda: _sub_block_candidates(
-        sub_max_ref, logits_ref, (), hot_ref, cand_z_ref, cand_id_ref, 0, m=max_ref[()], total=mass_ref[()],
-        scale=scale_ref[()], use_k=use_k_ref[()] != 0, top_k=top_k_ref[()], top_p=top_p_ref[()], sub=sub,
-        capacity=capacity, vocab=vocab, barrier=functools.partial(_barrier, interpret)), jnp.int32(-1))
+    def floor_candidates():
+        init = (jnp.int32(0), jnp.float32(-jnp.inf), m, jnp.int32(vocab), jnp.bool_(vocab <= capacity))
+        _, lo, _, count, found = lax.while_loop(lambda c: _searching(c[0], c[1], c[4]), search, init)
 
-
-def _boundary_kernel(num_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref, top_p_ref, cand_z_ref,
-                     cand_id_ref, w_ref, c_ref, kept_ref, *, capacity, vocab):
-    """Program r: the kept-set boundary ``(w, c)`` and kept mass of row r from its candidates
-    (``_candidate_boundary``); ``(INT_MIN, vocab, total)`` for a row without candidates."""
-    num, m, total = num_ref[()], max_ref[()], mass_ref[()]
-    w_ref[()], c_ref[()], kept_ref[()] = _when(num >= 0, lambda: _row_boundary(
-        cand_z_ref, cand_id_ref, jnp.int32(0), num, m, total, use_k_ref[()] != 0, use_p_ref[()] != 0, top_k_ref[()],
-        top_p_ref[()], capacity, vocab), (jnp.int32(_INT_MIN), jnp.int32(vocab), total))
-
-
-def _floor_candidates(logits_RV, scale_R, max_R, mass_R, search_R, use_k_R, top_k_R, top_p_R, num_R, cand_z_R1C,
-                      cand_id_R1C, *, block, capacity, params, interpret):
-    """Candidates of the rows ``search_R`` by passes over the whole GPU (the rows whose sub-block
-    maxima confine no candidates): the floor search (``_pass_floors``), each pass a program per row
-    and block (other rows return at once); then the tokens above the floor found are written to the
-    row's slots in id order, from offsets given by the per-block counts. Other rows keep ``num_R``
-    and their slots of ``cand_*_R1C``."""
-    rows, vocab = logits_RV.shape
-    num_blocks = pl.cdiv(vocab, block)
-    per_row = pl.BlockSpec((None,), lambda r, j: (r,))
-    row = pl.BlockSpec((None, vocab), lambda r, j: (r, 0))
-    holds = jax.vmap(_holds)
-
-    lo_R = jnp.full((rows,), -jnp.inf, jnp.float32)
-    hi_R = max_R
-    count_R = jnp.full((rows,), vocab, jnp.int32)
-    found_R = jnp.full((rows,), vocab <= capacity)
-    per_block_RP = jnp.broadcast_to(jnp.minimum(block, vocab - block * jnp.arange(num_blocks)), (rows, num_blocks))
-    for p in range(_FLOOR_PASSES):
-        active_R = search_R & _searching(p, lo_R, found_R)
-        floors_RF = jax.vmap(functools.partial(_pass_floors, p))(max_R, lo_R, hi_R)
-        count_RPF, mass_RPF = pl.pallas_call(
-            functools.partial(_floor_kernel, block=block), grid=(rows, num_blocks),
-            in_specs=[per_row, per_row, per_row, pl.BlockSpec((None, _FLOORS), lambda r, j: (r, 0)), row],
-            out_specs=[pl.BlockSpec((None, None, _FLOORS), lambda r, j: (r, j, 0))] * 2,
-            out_shape=[jax.ShapeDtypeStruct((rows, num_blocks, _FLOORS), dtype) for dtype in (jnp.int32,
-                                                                                           jnp.float32)],
-            compiler_params=params, interpret=interpret, name="tree_sample_floors",
-        )(jnp.where(active_R, jnp.where(use_k_R, 1, 2), 0), scale_R, max_R, floors_RF, logits_RV)
-        count_RF = jnp.sum(count_RPF, axis=1)
-        ok_RF = holds(count_RF, jnp.sum(mass_RPF, axis=1), use_k_R, top_k_R, top_p_R, mass_R)
-        *state, first_R = jax.vmap(functools.partial(_refine, p=p, capacity=capacity))(
-            lo_R, hi_R, count_R, floors_RF, count_RF, ok_RF)
-        at_first_RP = jnp.take_along_axis(count_RPF, jnp.minimum(first_R, _FLOORS - 1)[:, None, None], axis=2)[..., 0]
-        per_block_RP = jnp.where((active_R & (first_R < _FLOORS))[:, None], at_first_RP, per_block_RP)
-        lo_R, hi_R, count_R, found_R = (jnp.where(active_R, new, old) for new, old in zip(
-            state, (lo_R, hi_R, count_R, found_R)))
-
-    compact_R = search_R & found_R
-    slots = pl.BlockSpec((None, 1, capacity + 1), lambda r, j: (r, 0, 0))
-    cand_z_R1C, cand_id_R1C = pl.pallas_call(
-        functools.partial(_compact_kernel, block=block, capacity=capacity), grid=(rows, num_blocks),
-        in_specs=[per_row, per_row, per_row, pl.BlockSpec((None, None), lambda r, j: (r, j)), row, slots, slots],
-        out_specs=[slots, slots], out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (cand_z_R1C, cand_id_R1C)],
-        input_output_aliases={5: 0, 6: 1}, compiler_params=params, interpret=interpret, name="tree_sample_candidates",
-    )(compact_R.astype(jnp.int32), scale_R, lo_R, jnp.cumsum(per_block_RP, axis=1) - per_block_RP, logits_RV,
-      cand_z_R1C, cand_id_R1C)
-    return jnp.where(compact_R, count_R, num_R), cand_z_R1C, cand_id_R1C
+        def compact():
+            def step(base, ids, valid, z, i):
+                sel = valid & (z >= lo)
+                _store_candidates(cand_z_ref, cand_id_ref, cand_row, ids, z, sel, base, capacity)
+                return base + jnp.sum(sel.astype(jnp.int32))
+            fold(step, jnp.int32(0))
+            barrier()
+            return count
+        return _when(found, compact, jnp.int32(-1))
+    return _either(num >= 0, lambda: num, floor_candidates)
 
 
-def _sub_block_pass(logits_RV, scale_R, max_R, mass_R, sub_max_RS, use_k_R, use_p_R, top_k_R, top_p_R, *, sub, capacity,
-                    params, interpret):
-    """``_sub_block_candidates`` of every truncated row, a program per row: ``num_R`` (``-1`` for
-    rows without) and the candidate slots ``z``, ids ``[R, 1, capacity + 1]``."""
-    rows, vocab = logits_RV.shape
-    width = sub_max_RS.shape[1]
-    scalar = pl.BlockSpec((None,), lambda r: (r,))
-    cand_row = pl.BlockSpec((None, 1, capacity + 1), lambda r: (r, 0, 0))
-    hot_size = _pow2_at_least(width) + 1
-    *_, cand_z_R1C, cand_id_R1C, num_R = pl.pallas_call(
-        functools.partial(_sub_block_kernel, sub=sub, capacity=capacity, vocab=vocab, interpret=interpret),
-        grid=(rows,), in_specs=[scalar] * 7 + [pl.BlockSpec((None, width), lambda r: (r, 0)),
-                                               pl.BlockSpec((None, vocab), lambda r: (r, 0))],
-        out_specs=[pl.BlockSpec((None, hot_size), lambda r: (r, 0)), cand_row, cand_row, scalar],
-        out_shape=[jax.ShapeDtypeStruct((rows, hot_size), jnp.int32),
-                   *(jax.ShapeDtypeStruct((rows, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)),
-                   jax.ShapeDtypeStruct((rows,), jnp.int32)],
-        compiler_params=params, interpret=interpret, name="tree_sample_sub_blocks",
-    )(scale_R, max_R, mass_R, use_k_R.astype(jnp.int32), use_p_R.astype(jnp.int32), top_k_R, top_p_R, sub_max_RS,
-      logits_RV)
-    return num_R, cand_z_R1C, cand_id_R1C
+def _candidate_stats(logits_ref, row, sub_max_ref, hot_ref, cand_z_ref, cand_id_ref, cand_row, *, m, total, scale,
+                     use_k, use_p, top_k, top_p, vocab, block_c, sub, capacity, barrier, floor_search=True):
+    """``(num, w, c, kept)`` of a truncated row: its candidates (``_find_candidates``), then its
+    kept-set boundary and mass among them (``_row_boundary``); ``(-1, INT_MIN, vocab, total)``
+    when it has none."""
+    num = _find_candidates(logits_ref, row, sub_max_ref, hot_ref, cand_z_ref, cand_id_ref, cand_row, m=m, total=total,
+                           scale=scale, use_k=use_k, top_k=top_k, top_p=top_p, vocab=vocab, block_c=block_c, sub=sub,
+                           capacity=capacity, barrier=barrier, floor_search=floor_search)
+    return (num, *_when(num >= 0, lambda: _row_boundary(cand_z_ref, cand_id_ref, cand_row, num, m, total, use_k,
+                                                        use_p, top_k, top_p, capacity, vocab),
+                        (jnp.int32(_INT_MIN), jnp.int32(vocab), total)))
 
 
-def _candidates(logits_RV, scale_R, max_R, mass_R, sub_max_RS, use_k_R, use_p_R, top_k_R, top_p_R, *, block, sub,
-                capacity, num_warps, interpret):
-    """Candidates of the truncated rows: every kept token of the row, and at most ``capacity``.
+def _rescaled(mass_K, max_K, m, num_blocks):
+    """Per-block masses ``sum exp(z - block max)`` made relative to the row max ``m`` (0 past
+    ``num_blocks``: those entries may hold anything)."""
+    valid = jnp.arange(mass_K.shape[0]) < num_blocks
+    return jnp.where(valid, mass_K * jnp.exp(jnp.where(valid, max_K, -jnp.inf) - m), 0.0)
 
-    A program per row finds them from the row's sub-block maxima (``sub`` entries each,
-    ``_sub_block_pass``); the rows that this leaves without get them from the floor search over the
-    whole GPU (``_floor_candidates``, run only when there are such rows). Then a program per row
-    finds the kept-set boundary among its candidates (``_boundary_kernel``).
 
-    Returns ``num_R`` (candidates of the row; ``-1``: none, the row is untruncated or its kept
-    set is searched by passes over the row), ``z``, ids ``[R, 1, capacity + 1]`` (slot
-    ``capacity`` is spare) and the boundaries ``w_R``, ``c_R`` and kept masses ``kept_R``.
-    """
-    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
-    num_R, cand_z_R1C, cand_id_R1C = _sub_block_pass(logits_RV, scale_R, max_R, mass_R, sub_max_RS, use_k_R, use_p_R,
-                                                     top_k_R, top_p_R, sub=sub, capacity=capacity, params=params,
-                                                     interpret=interpret)
-    search_R = (use_k_R | use_p_R) & (num_R < 0)
-    num_R, cand_z_R1C, cand_id_R1C = lax.cond(jnp.any(search_R), lambda: _floor_candidates(
-        logits_RV, scale_R, max_R, mass_R, search_R, use_k_R, top_k_R, top_p_R, num_R, cand_z_R1C, cand_id_R1C,
-        block=block, capacity=capacity, params=params, interpret=interpret),
-        lambda: (num_R, cand_z_R1C, cand_id_R1C))
-    rows, vocab = logits_RV.shape
-    scalar = pl.BlockSpec((None,), lambda r: (r,))
-    cand_row = pl.BlockSpec((None, 1, capacity + 1), lambda r: (r, 0, 0))
-    w_R, c_R, kept_R = pl.pallas_call(
-        functools.partial(_boundary_kernel, capacity=capacity, vocab=vocab), grid=(rows,),
-        in_specs=[scalar] * 7 + [cand_row] * 2, out_specs=[scalar] * 3,
-        out_shape=[jax.ShapeDtypeStruct((rows,), dtype) for dtype in (jnp.int32, jnp.int32, jnp.float32)],
-        compiler_params=params, interpret=interpret, name="tree_sample_boundaries",
-    )(num_R, max_R, mass_R, use_k_R.astype(jnp.int32), use_p_R.astype(jnp.int32), top_k_R, top_p_R, cand_z_R1C,
-      cand_id_R1C)
-    return num_R, cand_z_R1C, cand_id_R1C, w_R, c_R, kept_R
+def _rows_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, max_ref, argmax_ref, mass_ref, sub_max_ref,
+                 logits_ref, m_ref, argmax_out_ref, total_ref, num_ref, w_ref, c_ref, kept_ref, *cand_refs, vocab,
+                 num_blocks, block_c, sub, capacity, floor_search, interpret):
+    """Program (b, n): node row n of request b. Its max, first argmax and mass from its block
+    statistics; with ``cand_refs`` (hot sub-blocks, candidate ``z`` and ids) and a truncated row,
+    also ``_candidate_stats`` (else ``num = -1``, ``(w, c) = (INT_MIN, vocab)``, kept = mass)."""
+    index_K = jnp.arange(max_ref.shape[0])
+    max_K = jnp.where(index_K < num_blocks, max_ref[...], -jnp.inf)
+    m = jnp.max(max_K)
+    first = jnp.min(jnp.where(max_K == m, index_K, max_ref.shape[0]))  # the first block holding the max
+    total = jnp.sum(_rescaled(mass_ref[...], max_K, m, num_blocks))
+    m_ref[()], argmax_out_ref[()], total_ref[()] = m, jnp.sum(jnp.where(index_K == first, argmax_ref[...], 0)), total
+    stats = (jnp.int32(-1), jnp.int32(_INT_MIN), jnp.int32(vocab), total)
+    if cand_refs:
+        hot_ref, cand_z_ref, cand_id_ref = cand_refs
+        top_k, top_p = top_k_ref[()], top_p_ref[()]
+        use_k, use_p = _truncation(temperature_ref[()], top_k, top_p, vocab)
+        stats = _when(use_k | use_p, lambda: _candidate_stats(
+            logits_ref, (), sub_max_ref, hot_ref, cand_z_ref, cand_id_ref, jnp.int32(0), m=m, total=total,
+            scale=scale_ref[()], use_k=use_k, use_p=use_p, top_k=top_k, top_p=top_p, vocab=vocab, block_c=block_c,
+            sub=sub, capacity=capacity, barrier=functools.partial(_barrier, interpret), floor_search=floor_search),
+            stats)
+    num_ref[()], w_ref[()], c_ref[()], kept_ref[()] = stats
+
+
+def _rows(logits_BNV, temperature_B, scale_B, top_k_B, top_p_B, max_BNK, argmax_BNK, mass_BNK, sub_max_BNS, *,
+          draw_block, block_c, capacity, candidates, num_warps, interpret, floor_search=True):
+    """A program per node row (``_rows_kernel``): ``(m, argmax, total, num, w, c, kept)``, each
+    ``[B, nodes_pad]`` (rows past N unwritten), and with ``candidates`` the candidate slots ``z``
+    and ids ``[B, N, capacity + 1]`` (slot ``capacity`` is spare), else ``()``.
+
+    ``*_BNK``, ``sub_max_BNS``: the block statistics of ``_row_stats`` (blocks of ``draw_block``
+    entries); ``floor_search``: whether rows that the sub-block maxima leave without candidates
+    search for a floor over the row."""
+    batch, num_nodes, vocab = logits_BNV.shape
+    nodes_pad = max_BNK.shape[1]
+    per_request = pl.BlockSpec((None,), lambda b, n: (b,))
+    per_row = pl.BlockSpec((None, None), lambda b, n: (b, n))
+    row = lambda width: pl.BlockSpec((None, None, width), lambda b, n: (b, n, 0))  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((batch, nodes_pad), dtype) for dtype in (
+        jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.int32, jnp.int32, jnp.float32)]
+    out_specs = [per_row] * len(out_shape)
+    if candidates:
+        hot_size = _pow2_at_least(sub_max_BNS.shape[2]) + 1
+        slots = pl.BlockSpec((None, 1, capacity + 1), lambda b, n: (b, n, 0))
+        out_shape += [jax.ShapeDtypeStruct((batch, num_nodes, hot_size), jnp.int32),
+                      *(jax.ShapeDtypeStruct((batch, num_nodes, capacity + 1), dtype) for dtype in (jnp.float32,
+                                                                                                 jnp.int32))]
+        out_specs += [row(hot_size), slots, slots]
+    outs = pl.pallas_call(
+        functools.partial(_rows_kernel, vocab=vocab, num_blocks=pl.cdiv(vocab, draw_block), block_c=block_c,
+                          sub=_sub_size(draw_block), capacity=capacity, floor_search=floor_search,
+                          interpret=interpret),
+        grid=(batch, num_nodes), in_specs=[per_request] * 4 + [row(max_BNK.shape[2])] * 3
+        + [row(sub_max_BNS.shape[2]), row(vocab)], out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
+        name="tree_sample_rows",
+    )(temperature_B, scale_B, top_k_B, top_p_B, max_BNK, argmax_BNK, mass_BNK, sub_max_BNS, logits_BNV)
+    return outs[:7], tuple(outs[8:])
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
@@ -920,27 +893,15 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     depth_pad = _pow2_at_least(max_depth + 2)
     block_v = min(block_v, _pow2_at_least(vocab))
     draw_block = _draw_block(block_v)
-    pad_nodes = lambda x, value: jnp.pad(  # noqa: E731
-        x, ((0, 0), (0, nodes_pad - num_nodes)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
+    pad_nodes = lambda x_BN, value: jnp.pad(x_BN, ((0, 0), (0, nodes_pad - num_nodes)), constant_values=value)  # noqa: E731
     scale_B = inverse_temperature(temperature_B)
-    max_BN, argmax_BN, mass_BN, block_mass_BNK, sub_max_BNS = _row_stats(logits_BNV, scale_B, draw_block, num_warps,
-                                                                          interpret, stats_blocks)
-    per_row = lambda x_B: jnp.repeat(x_B, num_nodes)  # noqa: E731
-    top_k_R, top_p_R = per_row(top_k_B), per_row(top_p_B)
-    use_k_R, use_p_R = _truncation(per_row(temperature_B), top_k_R, top_p_R, vocab)
+    block_stats = _row_stats(logits_BNV, scale_B, nodes_pad, draw_block, num_warps, interpret, stats_blocks)
+    max_BNK, _, block_mass_BNK, sub_max_BNS = block_stats
     prepared = batch * num_nodes <= parallel_rows
-    cand_rows = num_nodes if prepared else 1
-    none = (jnp.full((batch * num_nodes,), -1, jnp.int32),
-            *(jnp.zeros((batch * cand_rows, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)),
-            *(jnp.zeros((batch * num_nodes,), dtype) for dtype in (jnp.int32, jnp.int32, jnp.float32)))
-    if prepared:
-        num_R, cand_z_R1C, cand_id_R1C, *bounds_R = lax.cond(jnp.any(use_k_R | use_p_R), lambda: _candidates(
-            logits_BNV.reshape(batch * num_nodes, vocab), per_row(scale_B), max_BN.reshape(-1), mass_BN.reshape(-1),
-            sub_max_BNS.reshape(batch * num_nodes, -1), use_k_R, use_p_R, top_k_R, top_p_R,
-            block=_candidate_block(block_v), sub=_sub_size(draw_block), capacity=capacity, num_warps=num_warps,
-            interpret=interpret), lambda: none)
-    else:
-        num_R, cand_z_R1C, cand_id_R1C, *bounds_R = none
+    stats_BN, cands = _rows(logits_BNV, temperature_B, scale_B, top_k_B, top_p_B, *block_stats, draw_block=draw_block,
+                            block_c=_candidate_block(block_v), capacity=capacity, candidates=prepared,
+                            num_warps=num_warps, interpret=interpret)
+    cands = cands or [jnp.zeros((batch, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)]
     kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, draw_block=draw_block,
                                capacity=capacity, num_nodes=num_nodes, max_depth=max_depth, prepared=prepared,
                                interpret=interpret)
@@ -948,8 +909,6 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     per_node = pl.BlockSpec((None, nodes_pad), lambda b: (b, 0))
     row = lambda n: pl.BlockSpec((None, n), lambda b: (b, 0))  # noqa: E731
     rows = lambda shape: pl.BlockSpec((None, *shape), lambda b: (b,) + (0,) * len(shape))  # noqa: E731
-    cand_shape = (batch, cand_rows, capacity + 1)
-    cands = [cand_z_R1C.reshape(cand_shape), cand_id_R1C.reshape(cand_shape)]
     out_shape = [jax.ShapeDtypeStruct((batch, vocab), jnp.int8),  # rejected-token marks
                  *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in cands),
                  jax.ShapeDtypeStruct((batch, _pow2_at_least(sub_max_BNS.shape[2]) + 1), jnp.int32),  # hot sub-blocks
@@ -957,18 +916,16 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
                  jax.ShapeDtypeStruct((batch, depth_pad), jnp.int32)]
     *_, accept_BD, emitted_BD = pl.pallas_call(
         kernel, grid=(batch,),
-        in_specs=[scalar] * 5 + [per_node] * 10 + [rows((nodes_pad, block_mass_BNK.shape[2])),
-                                                    rows(sub_max_BNS.shape[1:]), rows((num_nodes, vocab)), row(vocab)]
-        + [rows(cand_shape[1:])] * 2,
+        in_specs=[scalar] * 5 + [per_node] * 10 + [rows(x.shape[1:]) for x in (max_BNK, block_mass_BNK, sub_max_BNS,
+                                                                                logits_BNV)]
+        + [row(vocab)] + [rows(c.shape[1:]) for c in cands],
         out_specs=[rows(x.shape[1:]) for x in out_shape], out_shape=out_shape,
-        input_output_aliases={18: 0, 19: 1, 20: 2},
+        input_output_aliases={19: 0, 20: 1, 21: 2},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="tree_sample",
     )(temperature_B, scale_B, top_k_B, top_p_B, final_coins_B, pad_nodes(tokens_BN, 0), pad_nodes(parents_BN, -1),
-      pad_nodes(coins_BN, 1.0), pad_nodes(max_BN, 0.0), pad_nodes(argmax_BN, 0), pad_nodes(mass_BN, 1.0),
-      pad_nodes(num_R.reshape(batch, num_nodes), -1),
-      *(pad_nodes(x_R.reshape(batch, num_nodes), 0) for x_R in bounds_R), pad_nodes(block_mass_BNK, 0.0),
-      sub_max_BNS, logits_BNV, jnp.zeros((batch, vocab), jnp.int8), *cands)
+      pad_nodes(coins_BN, 1.0), *stats_BN, max_BNK, block_mass_BNK, sub_max_BNS, logits_BNV,
+      jnp.zeros((batch, vocab), jnp.int8), *cands)
     return _verify_result(accept_BD[:, :max_depth + 1], emitted_BD[:, :max_depth + 1], num_nodes)
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ddtree_jax import oracle
@@ -16,8 +16,8 @@ from ddtree_jax.sampling import inverse_temperature
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_sampling import (PARALLEL_ROWS, _candidates, _order_key, _row_stats, _sub_block_pass,
-                                          _tree_sample_pallas, _truncation, tree_sample)
+from pallas_kernels.tree_sampling import (_FEW_SLOTS, PARALLEL_ROWS, _order_key, _row_stats, _rows, _tree_sample_pallas,
+                                          tree_sample)
 
 FIELDS = ("accept_index", "num_accepted", "predicts", "emitted", "bonus")
 
@@ -124,35 +124,45 @@ def test_random_shapes_and_parameters_match_jnp_path(seed, vocab, block_v, capac
        tie_step=st.sampled_from([None, 1.0]), dtype=st.sampled_from(["float32", "bfloat16"]),
        blocks=st.sampled_from([1, 3]))
 def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype, blocks):
-    """The statistics pass (a program per row and ``blocks`` blocks) against NumPy on the processed
-    rows: max and first argmax exact, total and per-block masses to float32 rounding, zero-padded
-    blocks."""
+    """The statistics pass (a program per row and ``blocks`` blocks) and the rows' combination of
+    its blocks (``_rows``) against NumPy on the processed rows: maxima and first argmaxes exact,
+    masses to float32 rounding."""
     rng = np.random.default_rng(seed)
     logits = 3.0 * rng.standard_normal((2, 3, vocab))
     logits = np.round(logits / tie_step) * tie_step if tie_step else logits
     logits = jnp.asarray(logits, dtype)
     temperature = jnp.asarray([0.0, 0.7], jnp.float32)
     scale = inverse_temperature(temperature)  # greedy rows: 1
-    max_BN, argmax_BN, mass_BN, block_mass_BNK, sub_max_BNS = _row_stats(logits, scale, block, 4, True, blocks)
+    stats = _row_stats(logits, scale, 4, block, 4, True, blocks)
+    block_max, block_argmax, block_mass, sub_max = (np.asarray(x)[:, :3] for x in stats)
     z = np.asarray(logits, np.float32) * np.asarray(scale)[:, None, None]
-    np.testing.assert_array_equal(np.asarray(max_BN), z.max(-1))
-    np.testing.assert_array_equal(np.asarray(argmax_BN), z.argmax(-1))
-    e = np.exp(z - z.max(-1, keepdims=True))
     num_blocks = -(-vocab // block)
-    block_sums = np.pad(e, ((0, 0), (0, 0), (0, num_blocks * block - vocab))).reshape(2, 3, num_blocks, block).sum(-1)
-    assert block_mass_BNK.shape[2] >= num_blocks and block_mass_BNK.shape[2] & (block_mass_BNK.shape[2] - 1) == 0
-    np.testing.assert_allclose(np.asarray(block_mass_BNK[..., :num_blocks]), block_sums, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(block_mass_BNK[..., num_blocks:]), 0.0)
-    np.testing.assert_allclose(np.asarray(mass_BN), e.sum(-1), rtol=1e-5)
+    assert block_max.shape[2] >= num_blocks and block_max.shape[2] & (block_max.shape[2] - 1) == 0
+    blocks_z = np.pad(z, ((0, 0), (0, 0), (0, num_blocks * block - vocab)), constant_values=-np.inf).reshape(
+        2, 3, num_blocks, block)
+    np.testing.assert_array_equal(block_max[..., :num_blocks], blocks_z.max(-1))
+    np.testing.assert_array_equal(block_argmax[..., :num_blocks], blocks_z.argmax(-1) + block * np.arange(num_blocks))
+    np.testing.assert_allclose(block_mass[..., :num_blocks],
+                               np.exp(blocks_z - blocks_z.max(-1, keepdims=True)).sum(-1), rtol=1e-5)
     sub = min(64, block)
     num_subs = -(-vocab // sub)
     padded = np.pad(z, ((0, 0), (0, 0), (0, num_subs * sub - vocab)), constant_values=-np.inf)
-    np.testing.assert_array_equal(np.asarray(sub_max_BNS[..., :num_subs]), padded.reshape(2, 3, num_subs, sub).max(-1))
-    np.testing.assert_array_equal(np.asarray(sub_max_BNS[..., num_subs:]), -np.inf)
+    np.testing.assert_array_equal(sub_max[..., :num_subs], padded.reshape(2, 3, num_subs, sub).max(-1))
+    np.testing.assert_array_equal(sub_max[..., num_subs:], -np.inf)
+    row_stats, cands = _rows(logits, temperature, scale, jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.float32), *stats,
+                             draw_block=block, block_c=block, capacity=16, candidates=False, num_warps=4,
+                             interpret=True)
+    m, argmax, total, num, _, _, kept = (np.asarray(x)[:, :3] for x in row_stats)
+    assert cands == ()
+    np.testing.assert_array_equal(m, z.max(-1))
+    np.testing.assert_array_equal(argmax, z.argmax(-1))
+    np.testing.assert_allclose(total, np.exp(z - z.max(-1, keepdims=True)).sum(-1), rtol=1e-5)
+    np.testing.assert_array_equal(num, -1)
+    np.testing.assert_array_equal(kept, total)
 
 
 CANDIDATE_ROWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 3, 1.0), (0.7, 40, 1.0), (1.0, 0, 0.3), (1.3, 0, 0.9),
-                  (0.5, 20, 0.8), (2.0, 1000, 1.0), (1.0, 0, 0.999)]
+                  (0.5, 20, 0.8), (2.0, 1000, 1.0), (1.0, 0, 0.999), (1.0, 300, 0.95)]
 
 
 def assert_candidates(num, cand_z, cand_id, z, capacity):
@@ -183,33 +193,40 @@ def assert_candidates(num, cand_z, cand_id, z, capacity):
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), vocab=st.integers(1, 700), block=st.sampled_from([16, 64, 256]),
        capacity=st.sampled_from([16, 64, 1024]), tie_step=st.sampled_from([None, 1.0]))
+@example(seed=0, vocab=700, block=256, capacity=1024, tie_step=None)  # kept sets ranked and searched
+@example(seed=1, vocab=700, block=64, capacity=1024, tie_step=1.0)
 def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, tie_step):
-    """The candidate passes (``assert_candidates``), first from the sub-block maxima alone, then
-    with the floor search for the rows those leave without. Small top-k always finds candidates
-    from the maxima. The boundary found from them keeps exactly the oracle's kept set, and its
-    mass."""
+    """The candidates of the truncated rows (``assert_candidates``), first from the sub-block maxima
+    alone, then with the floor search for the rows those leave without. Small top-k always finds
+    candidates from the maxima. The boundary found from them (ranked when they fit
+    ``_FEW_SLOTS``, else searched) keeps exactly the oracle's kept set, and its mass."""
     rng = np.random.default_rng(seed)
     logits = 3.0 * rng.standard_normal((len(CANDIDATE_ROWS), vocab)).astype(np.float32)
     logits = np.round(logits / tie_step) * tie_step if tie_step else logits
     t, k, p = params(*CANDIDATE_ROWS)
     scale = inverse_temperature(t)
-    max_BN, _, mass_BN, _, sub_max_BNS = _row_stats(jnp.asarray(logits)[:, None], scale, block, 4, True)
-    use_k, use_p = _truncation(t, k, p, vocab)
-    inputs = (jnp.asarray(logits), scale, max_BN[:, 0], mass_BN[:, 0], sub_max_BNS[:, 0], use_k, use_p, k, p)
+    logits_B1V = jnp.asarray(logits)[:, None]
+    stats = _row_stats(logits_B1V, scale, 2, block, 4, True)
     z = logits * np.asarray(scale)[:, None]
+
+    def rows(floor_search):
+        row_stats, cands = _rows(logits_B1V, t, scale, k, p, *stats, draw_block=block, block_c=block,
+                                 capacity=capacity, candidates=True, num_warps=4, interpret=True,
+                                 floor_search=floor_search)
+        return (*(np.asarray(x)[:, 0] for x in row_stats[3:]), *(np.asarray(x)[:, 0] for x in cands))
+
+    fast_num, *_, fast_z, fast_id = rows(floor_search=False)
+    assert_candidates(fast_num, fast_z, fast_id, z, capacity)
     sub = min(64, block)  # the statistics' sub-block size
-    fast_num, fast_z, fast_id = (np.asarray(x) for x in _sub_block_pass(*inputs, sub=sub, capacity=capacity,
-                                                                         params=None, interpret=True))
-    assert_candidates(fast_num, fast_z[:, 0], fast_id[:, 0], z, capacity)
     if vocab > 3 and capacity >= 3 * sub and not tie_step:
         assert fast_num[2] >= 0  # top-k 3: three sub-blocks hold every candidate
-    num, cand_z, cand_id, w, c, kept = _candidates(*inputs, block=block, sub=sub, capacity=capacity, num_warps=4,
-                                                   interpret=True)
-    num, cand_z, cand_id = np.asarray(num), np.asarray(cand_z)[:, 0], np.asarray(cand_id)[:, 0]
+    num, w, c, kept, cand_z, cand_id = rows(floor_search=True)
     np.testing.assert_array_equal(num[fast_num >= 0], fast_num[fast_num >= 0])
     truncated = assert_candidates(num, cand_z, cand_id, z, capacity)
     if vocab > 3 and not tie_step:
         assert num[2] >= 0
+    if vocab == 700 and capacity > _FEW_SLOTS:
+        assert num[-1] > _FEW_SLOTS  # top-k 300: searched
     key = np.asarray(_order_key(jnp.asarray(z)))
     oracle_probs = oracle.target_probs(logits[:, None], t, k, p)[:, 0]
     for r in truncated:
@@ -275,9 +292,9 @@ def test_invalid_arguments(kwargs, match):
                                                                  (jnp.bfloat16, 1, PARALLEL_ROWS),
                                                                  (jnp.float32, 16, PARALLEL_ROWS), (jnp.float32, 1, 0)])
 def test_lowers_to_valid_triton_ir(dtype, stats_blocks, parallel_rows):
-    """Qwen3-sized vocabulary: the kernels (statistics, sub-block candidates, floors, candidates,
-    boundaries, walk; with ``parallel_rows=0`` statistics and a walk that finds candidates itself)
-    lower to Triton IR that the MLIR verifier accepts."""
+    """Qwen3-sized vocabulary: the kernels (statistics, rows with their candidates and boundaries,
+    walk; with ``parallel_rows=0`` rows without candidates and a walk that finds them itself) lower
+    to Triton IR that the MLIR verifier accepts."""
     batch, nodes, vocab = 4, 65, 151936
     s = jax.ShapeDtypeStruct
     args = [s((batch, nodes), jnp.int32), s((batch, nodes), jnp.int32), s((batch, nodes, vocab), dtype),
@@ -287,13 +304,9 @@ def test_lowers_to_valid_triton_ir(dtype, stats_blocks, parallel_rows):
                                         capacity=2048, interpret=False, stats_blocks=stats_blocks,
                                         parallel_rows=parallel_rows)
     modules = {re.search(r"tt.func public @(\w+)", m).group(1): m for m in verified_triton_modules(fn, *args)}
-    if not parallel_rows:
-        assert sorted(modules) == ["tree_sample", "tree_sample_row_stats"]
-        return
-    assert sorted(modules) == ["tree_sample", "tree_sample_boundaries", "tree_sample_candidates", "tree_sample_floors",
-                               "tree_sample_row_stats", "tree_sample_sub_blocks"]
-    assert "tt.reduce" in modules["tree_sample_row_stats"] and "tt.reduce" in modules["tree_sample_floors"]
-    scans = ("tree_sample_candidates", "tree_sample_sub_blocks", "tree_sample")
+    assert sorted(modules) == ["tree_sample", "tree_sample_row_stats", "tree_sample_rows"]
+    assert all("tt.reduce" in modules[name] for name in modules)
+    scans = ("tree_sample_rows", "tree_sample") if parallel_rows else ("tree_sample",)
     assert all("tt.scan" in modules[name] for name in scans)
 
 
