@@ -17,11 +17,13 @@ the first, so that the whole GPU works even for one request):
   row. It picks a floor from the row's sub-block maxima alone (at least k maxima above it for
   top-k, at least ``top_p`` of the mass in them for top-p: 16 floors below ``m``, geometric, then
   16 linear ones) and writes the tokens above it, in id order, to the row's candidate slots,
-  reading only the sub-blocks whose max reaches the floor. A row for which that finds no floor,
-  or more than ``capacity`` tokens above it, searches the same floors over all its tokens
-  (refined linearly at most twice, a pass over the row each), then writes those above the floor
-  found. With more rows the requests' programs fill the GPU, and each walk does the same for the
-  rows it visits only.
+  reading only the sub-blocks whose max reaches the floor. Rows for which that finds no floor,
+  or more than ``capacity`` tokens above it, get theirs, only when there are such rows, from
+  passes over the whole GPU (the same floors over all tokens, refined linearly at most twice,
+  then a compaction pass; a program per row and vocabulary block), then their kept sets from a
+  program per row. With more node rows the requests' programs fill the GPU, and each walk finds
+  the candidates of the rows it visits only, searching the floors over a row itself where the
+  maxima do not suffice.
 
 A kept set is a prefix of the order (descending z, ascending token id), written as a boundary
 ``(w, c)``: token t is kept iff ``key(z_t) > w`` or ``key(z_t) == w and t < c``, where ``key``
@@ -734,7 +736,8 @@ def _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, can
         barrier()
         lane = jnp.arange(_HOT_CHUNK * sub)
 
-        def chunk(i, base):
+        def chunk(carry):
+            i, base = carry
             h = i * _HOT_CHUNK + lane // sub
             live = h < num_hot
             ids = plt.load(hot_ref.at[jnp.where(live, h, size)], mask=live, other=0) * sub + lane % sub
@@ -743,9 +746,11 @@ def _sub_block_candidates(sub_max_ref, logits_ref, row, hot_ref, cand_z_ref, can
             sel = live & (z >= floor)
             fits = sel & (base + jnp.cumsum(sel.astype(jnp.int32)) <= capacity)
             _store_candidates(cand_z_ref, cand_id_ref, cand_row, ids, z, fits, base, capacity)
-            return base + jnp.sum(sel.astype(jnp.int32))
+            return i + 1, base + jnp.sum(sel.astype(jnp.int32))
 
-        num = lax.fori_loop(0, pl.cdiv(num_hot, _HOT_CHUNK), chunk, jnp.int32(0))
+        # Stops once more than ``capacity`` tokens reach the floor: the row has no candidates then.
+        _, num = lax.while_loop(lambda c: (c[0] < pl.cdiv(num_hot, _HOT_CHUNK)) & (c[1] <= capacity), chunk,
+                                (jnp.int32(0), jnp.int32(0)))
         barrier()
         return lax.select(num <= capacity, num, jnp.int32(-1))
 
@@ -823,11 +828,13 @@ def _rescaled(mass_K, max_K, m, num_blocks):
 
 
 def _rows_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, max_ref, argmax_ref, mass_ref, sub_max_ref,
-                 logits_ref, m_ref, argmax_out_ref, total_ref, num_ref, w_ref, c_ref, kept_ref, *cand_refs, vocab,
-                 num_blocks, block_c, sub, capacity, floor_search, interpret):
+                 logits_ref, m_ref, argmax_out_ref, total_ref, num_ref, w_ref, c_ref, kept_ref, search_ref, *cand_refs,
+                 vocab, num_blocks, block_c, sub, capacity, interpret):
     """Program (b, n): node row n of request b. Its max, first argmax and mass from its block
     statistics; with ``cand_refs`` (hot sub-blocks, candidate ``z`` and ids) and a truncated row,
-    also ``_candidate_stats`` (else ``num = -1``, ``(w, c) = (INT_MIN, vocab)``, kept = mass)."""
+    also ``_candidate_stats`` from the sub-block maxima alone (else ``num = -1``,
+    ``(w, c) = (INT_MIN, vocab)``, kept = mass); ``search``: a truncated row left without
+    candidates."""
     index_K = jnp.arange(max_ref.shape[0])
     max_K = jnp.where(index_K < num_blocks, max_ref[...], -jnp.inf)
     m = jnp.max(max_K)
@@ -835,27 +842,29 @@ def _rows_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, max_ref, argm
     total = jnp.sum(_rescaled(mass_ref[...], max_K, m, num_blocks))
     m_ref[()], argmax_out_ref[()], total_ref[()] = m, jnp.sum(jnp.where(index_K == first, argmax_ref[...], 0)), total
     stats = (jnp.int32(-1), jnp.int32(_INT_MIN), jnp.int32(vocab), total)
+    truncated = jnp.bool_(False)
     if cand_refs:
         hot_ref, cand_z_ref, cand_id_ref = cand_refs
         top_k, top_p = top_k_ref[()], top_p_ref[()]
         use_k, use_p = _truncation(temperature_ref[()], top_k, top_p, vocab)
-        stats = _when(use_k | use_p, lambda: _candidate_stats(
+        truncated = use_k | use_p
+        stats = _when(truncated, lambda: _candidate_stats(
             logits_ref, (), sub_max_ref, hot_ref, cand_z_ref, cand_id_ref, jnp.int32(0), m=m, total=total,
             scale=scale_ref[()], use_k=use_k, use_p=use_p, top_k=top_k, top_p=top_p, vocab=vocab, block_c=block_c,
-            sub=sub, capacity=capacity, barrier=functools.partial(_barrier, interpret), floor_search=floor_search),
-            stats)
+            sub=sub, capacity=capacity, barrier=functools.partial(_barrier, interpret), floor_search=False), stats)
     num_ref[()], w_ref[()], c_ref[()], kept_ref[()] = stats
+    search_ref[()] = (truncated & (stats[0] < 0)).astype(jnp.int32)
 
 
 def _rows(logits_BNV, temperature_B, scale_B, top_k_B, top_p_B, max_BNK, argmax_BNK, mass_BNK, sub_max_BNS, *,
-          draw_block, block_c, capacity, candidates, num_warps, interpret, floor_search=True):
-    """A program per node row (``_rows_kernel``): ``(m, argmax, total, num, w, c, kept)``, each
-    ``[B, nodes_pad]`` (rows past N unwritten), and with ``candidates`` the candidate slots ``z``
+          draw_block, block_c, capacity, candidates, num_warps, interpret):
+    """A program per node row (``_rows_kernel``). Returns ``(m, argmax, total, num, w, c, kept)``, each
+    ``[B, nodes_pad]`` (rows past N unwritten), ``search_BN`` (nonzero: a truncated row whose
+    sub-block maxima confined no candidates) and, with ``candidates``, the candidate slots ``z``
     and ids ``[B, N, capacity + 1]`` (slot ``capacity`` is spare), else ``()``.
 
     ``*_BNK``, ``sub_max_BNS``: the block statistics of ``_row_stats`` (blocks of ``draw_block``
-    entries); ``floor_search``: whether rows that the sub-block maxima leave without candidates
-    search for a floor over the row."""
+    entries)."""
     batch, num_nodes, vocab = logits_BNV.shape
     nodes_pad = max_BNK.shape[1]
     per_request = pl.BlockSpec((None,), lambda b, n: (b,))
@@ -863,6 +872,7 @@ def _rows(logits_BNV, temperature_B, scale_B, top_k_B, top_p_B, max_BNK, argmax_
     row = lambda width: pl.BlockSpec((None, None, width), lambda b, n: (b, n, 0))  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((batch, nodes_pad), dtype) for dtype in (
         jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.int32, jnp.int32, jnp.float32)]
+    out_shape.append(jax.ShapeDtypeStruct((batch, num_nodes), jnp.int32))
     out_specs = [per_row] * len(out_shape)
     if candidates:
         hot_size = _pow2_at_least(sub_max_BNS.shape[2]) + 1
@@ -873,14 +883,133 @@ def _rows(logits_BNV, temperature_B, scale_B, top_k_B, top_p_B, max_BNK, argmax_
         out_specs += [row(hot_size), slots, slots]
     outs = pl.pallas_call(
         functools.partial(_rows_kernel, vocab=vocab, num_blocks=pl.cdiv(vocab, draw_block), block_c=block_c,
-                          sub=_sub_size(draw_block), capacity=capacity, floor_search=floor_search,
-                          interpret=interpret),
+                          sub=_sub_size(draw_block), capacity=capacity, interpret=interpret),
         grid=(batch, num_nodes), in_specs=[per_request] * 4 + [row(max_BNK.shape[2])] * 3
         + [row(sub_max_BNS.shape[2]), row(vocab)], out_specs=out_specs, out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="tree_sample_rows",
     )(temperature_B, scale_B, top_k_B, top_p_B, max_BNK, argmax_BNK, mass_BNK, sub_max_BNS, logits_BNV)
-    return outs[:7], tuple(outs[8:])
+    return tuple(outs[:7]), outs[7], tuple(outs[9:])
+
+
+# --- the floor search over the whole GPU: a program per (row, block) ---------------------------------
+def _floor_kernel(mode_ref, scale_ref, max_ref, floors_ref, logits_ref, count_ref, mass_ref, *, block):
+    """Program (row r, block j): ``_floor_counts`` of the block; ``mode``: 0 (no pass for the row),
+    1 (counts only, a top-k row), 2 (counts and masses)."""
+    j = pl.program_id(1)  # read outside the branch: the interpreter cannot lower it inside
+    mode = mode_ref[()]
+
+    @pl.when(mode != 0)
+    def _():
+        _, valid, z = _load_block(logits_ref, (), j * block, block, logits_ref.shape[0], scale_ref[()])
+        count_ref[...], mass_ref[...] = _floor_counts(valid, z, floors_ref[...], max_ref[()], mode == 2)
+
+
+def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, _z, _id, cand_z_ref, cand_id_ref, *,
+                    block, capacity):
+    """Program (row r, block j) of an active row: writes the block's tokens with ``z >= floor`` to
+    the row's candidate slots from ``offset`` on (the row's candidates in id order)."""
+    j = pl.program_id(1)
+
+    @pl.when(active_ref[()] != 0)
+    def _():
+        ids, valid, z = _load_block(logits_ref, (), j * block, block, logits_ref.shape[0], scale_ref[()])
+        _store_candidates(cand_z_ref, cand_id_ref, 0, ids, z, valid & (z >= floor_ref[()]), offset_ref[()],
+                          capacity)
+
+
+def _boundary_kernel(num_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref, top_p_ref, cand_z_ref,
+                     cand_id_ref, w_ref, c_ref, kept_ref, *, capacity, vocab):
+    """Program r: the kept-set boundary ``(w, c)`` and kept mass of row r from its candidates
+    (``_candidate_boundary``); ``(INT_MIN, vocab, total)`` for a row without candidates."""
+    num, m, total = num_ref[()], max_ref[()], mass_ref[()]
+    w_ref[()], c_ref[()], kept_ref[()] = _when(num >= 0, lambda: _row_boundary(
+        cand_z_ref, cand_id_ref, jnp.int32(0), num, m, total, use_k_ref[()] != 0, use_p_ref[()] != 0, top_k_ref[()],
+        top_p_ref[()], capacity, vocab), (jnp.int32(_INT_MIN), jnp.int32(vocab), total))
+
+
+def _floor_candidates(logits_RV, scale_R, max_R, mass_R, search_R, use_k_R, top_k_R, top_p_R, num_R, cand_z_R1C,
+                      cand_id_R1C, *, block, capacity, params, interpret):
+    """Candidates of the rows ``search_R`` by passes over the whole GPU (the rows whose sub-block
+    maxima confine no candidates): the floor search (``_pass_floors``), each pass a program per row
+    and block (other rows return at once); then the tokens above the floor found are written to the
+    row's slots in id order, from offsets given by the per-block counts. Other rows keep ``num_R``
+    and their slots of ``cand_*_R1C``."""
+    rows, vocab = logits_RV.shape
+    num_blocks = pl.cdiv(vocab, block)
+    per_row = pl.BlockSpec((None,), lambda r, j: (r,))
+    row = pl.BlockSpec((None, vocab), lambda r, j: (r, 0))
+    holds = jax.vmap(_holds)
+
+    lo_R = jnp.full((rows,), -jnp.inf, jnp.float32)
+    hi_R = max_R
+    count_R = jnp.full((rows,), vocab, jnp.int32)
+    found_R = jnp.full((rows,), vocab <= capacity)
+    per_block_RP = jnp.broadcast_to(jnp.minimum(block, vocab - block * jnp.arange(num_blocks)), (rows, num_blocks))
+    for p in range(_FLOOR_PASSES):
+        active_R = search_R & _searching(p, lo_R, found_R)
+        floors_RF = jax.vmap(functools.partial(_pass_floors, p))(max_R, lo_R, hi_R)
+        count_RPF, mass_RPF = pl.pallas_call(
+            functools.partial(_floor_kernel, block=block), grid=(rows, num_blocks),
+            in_specs=[per_row, per_row, per_row, pl.BlockSpec((None, _FLOORS), lambda r, j: (r, 0)), row],
+            out_specs=[pl.BlockSpec((None, None, _FLOORS), lambda r, j: (r, j, 0))] * 2,
+            out_shape=[jax.ShapeDtypeStruct((rows, num_blocks, _FLOORS), dtype) for dtype in (jnp.int32,
+                                                                                           jnp.float32)],
+            compiler_params=params, interpret=interpret, name="tree_sample_floors",
+        )(jnp.where(active_R, jnp.where(use_k_R, 1, 2), 0), scale_R, max_R, floors_RF, logits_RV)
+        count_RF = jnp.sum(count_RPF, axis=1)
+        ok_RF = holds(count_RF, jnp.sum(mass_RPF, axis=1), use_k_R, top_k_R, top_p_R, mass_R)
+        *state, first_R = jax.vmap(functools.partial(_refine, p=p, capacity=capacity))(
+            lo_R, hi_R, count_R, floors_RF, count_RF, ok_RF)
+        at_first_RP = jnp.take_along_axis(count_RPF, jnp.minimum(first_R, _FLOORS - 1)[:, None, None], axis=2)[..., 0]
+        per_block_RP = jnp.where((active_R & (first_R < _FLOORS))[:, None], at_first_RP, per_block_RP)
+        lo_R, hi_R, count_R, found_R = (jnp.where(active_R, new, old) for new, old in zip(
+            state, (lo_R, hi_R, count_R, found_R)))
+
+    compact_R = search_R & found_R
+    slots = pl.BlockSpec((None, 1, capacity + 1), lambda r, j: (r, 0, 0))
+    cand_z_R1C, cand_id_R1C = pl.pallas_call(
+        functools.partial(_compact_kernel, block=block, capacity=capacity), grid=(rows, num_blocks),
+        in_specs=[per_row, per_row, per_row, pl.BlockSpec((None, None), lambda r, j: (r, j)), row, slots, slots],
+        out_specs=[slots, slots], out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (cand_z_R1C, cand_id_R1C)],
+        input_output_aliases={5: 0, 6: 1}, compiler_params=params, interpret=interpret, name="tree_sample_candidates",
+    )(compact_R.astype(jnp.int32), scale_R, lo_R, jnp.cumsum(per_block_RP, axis=1) - per_block_RP, logits_RV,
+      cand_z_R1C, cand_id_R1C)
+    return jnp.where(compact_R, count_R, num_R), cand_z_R1C, cand_id_R1C
+
+
+def _searched_rows(logits_BNV, temperature_B, scale_B, top_k_B, top_p_B, stats_BN, search_BN, cands, *, block_c,
+                   capacity, num_warps, interpret):
+    """``_rows``' results with the rows ``search_BN`` completed over the whole GPU: their candidates
+    by ``_floor_candidates``, then, for those that found some, their kept-set boundary and mass
+    (``_boundary_kernel``, a program per row)."""
+    batch, num_nodes, vocab = logits_BNV.shape
+    rows = batch * num_nodes
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+    m_BN, argmax_BN, total_BN, num_BN, *bounds_BN = stats_BN
+    flat = lambda x_BN: x_BN[:, :num_nodes].reshape(rows)  # noqa: E731
+    per_row = lambda x_B: jnp.repeat(x_B, num_nodes)  # noqa: E731
+    top_k_R, top_p_R = per_row(top_k_B), per_row(top_p_B)
+    use_k_R, use_p_R = _truncation(per_row(temperature_B), top_k_R, top_p_R, vocab)
+    search_R = search_BN.reshape(rows) != 0
+    num_R, *cands_R1C = _floor_candidates(
+        logits_BNV.reshape(rows, vocab), per_row(scale_B), flat(m_BN), flat(total_BN), search_R, use_k_R, top_k_R,
+        top_p_R, flat(num_BN), *(c.reshape(rows, 1, capacity + 1) for c in cands), block=block_c, capacity=capacity,
+        params=params, interpret=interpret)
+    scalar = pl.BlockSpec((None,), lambda r: (r,))
+    cand_row = pl.BlockSpec((None, 1, capacity + 1), lambda r: (r, 0, 0))
+    searched_R = pl.pallas_call(
+        functools.partial(_boundary_kernel, capacity=capacity, vocab=vocab), grid=(rows,),
+        in_specs=[scalar] * 7 + [cand_row] * 2, out_specs=[scalar] * 3,
+        out_shape=[jax.ShapeDtypeStruct((rows,), dtype) for dtype in (jnp.int32, jnp.int32, jnp.float32)],
+        compiler_params=params, interpret=interpret, name="tree_sample_boundaries",
+    )(jnp.where(search_R, num_R, -1), flat(m_BN), flat(total_BN), use_k_R.astype(jnp.int32),
+      use_p_R.astype(jnp.int32), top_k_R, top_p_R, *cands_R1C)
+    update = lambda x_BN, x_R: x_BN.at[:, :num_nodes].set(jnp.where(search_R, x_R, flat(x_BN)).reshape(  # noqa: E731
+        batch, num_nodes))
+    return ((m_BN, argmax_BN, total_BN, *(update(x_BN, x_R) for x_BN, x_R in zip((num_BN, *bounds_BN),
+                                                                                 (num_R, *searched_R)))),
+            tuple(c.reshape(batch, num_nodes, capacity + 1) for c in cands_R1C))
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "block_v", "num_warps", "num_stages",
@@ -898,10 +1027,16 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     block_stats = _row_stats(logits_BNV, scale_B, nodes_pad, draw_block, num_warps, interpret, stats_blocks)
     max_BNK, _, block_mass_BNK, sub_max_BNS = block_stats
     prepared = batch * num_nodes <= parallel_rows
-    stats_BN, cands = _rows(logits_BNV, temperature_B, scale_B, top_k_B, top_p_B, *block_stats, draw_block=draw_block,
-                            block_c=_candidate_block(block_v), capacity=capacity, candidates=prepared,
-                            num_warps=num_warps, interpret=interpret)
-    cands = cands or [jnp.zeros((batch, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)]
+    block_c = _candidate_block(block_v)
+    params = (logits_BNV, temperature_B, scale_B, top_k_B, top_p_B)
+    stats_BN, search_BN, cands = _rows(*params, *block_stats, draw_block=draw_block, block_c=block_c,
+                                       capacity=capacity, candidates=prepared, num_warps=num_warps, interpret=interpret)
+    if prepared:
+        stats_BN, cands = lax.cond(jnp.any(search_BN != 0), lambda: _searched_rows(
+            *params, stats_BN, search_BN, cands, block_c=block_c, capacity=capacity, num_warps=num_warps,
+            interpret=interpret), lambda: (stats_BN, cands))
+    else:
+        cands = [jnp.zeros((batch, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)]
     kernel = functools.partial(_sample_kernel, vocab=vocab, block_v=block_v, draw_block=draw_block,
                                capacity=capacity, num_nodes=num_nodes, max_depth=max_depth, prepared=prepared,
                                interpret=interpret)

@@ -16,8 +16,8 @@ from ddtree_jax.sampling import inverse_temperature
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_sampling import (_FEW_SLOTS, PARALLEL_ROWS, _order_key, _row_stats, _rows, _tree_sample_pallas,
-                                          tree_sample)
+from pallas_kernels.tree_sampling import (_FEW_SLOTS, PARALLEL_ROWS, _order_key, _row_stats, _rows, _searched_rows,
+                                          _tree_sample_pallas, tree_sample)
 
 FIELDS = ("accept_index", "num_accepted", "predicts", "emitted", "bonus")
 
@@ -149,11 +149,11 @@ def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype, blocks)
     padded = np.pad(z, ((0, 0), (0, 0), (0, num_subs * sub - vocab)), constant_values=-np.inf)
     np.testing.assert_array_equal(sub_max[..., :num_subs], padded.reshape(2, 3, num_subs, sub).max(-1))
     np.testing.assert_array_equal(sub_max[..., num_subs:], -np.inf)
-    row_stats, cands = _rows(logits, temperature, scale, jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.float32), *stats,
-                             draw_block=block, block_c=block, capacity=16, candidates=False, num_warps=4,
-                             interpret=True)
+    row_stats, search, cands = _rows(logits, temperature, scale, jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.float32),
+                                     *stats, draw_block=block, block_c=block, capacity=16, candidates=False,
+                                     num_warps=4, interpret=True)
     m, argmax, total, num, _, _, kept = (np.asarray(x)[:, :3] for x in row_stats)
-    assert cands == ()
+    assert cands == () and not np.any(search)
     np.testing.assert_array_equal(m, z.max(-1))
     np.testing.assert_array_equal(argmax, z.argmax(-1))
     np.testing.assert_allclose(total, np.exp(z - z.max(-1, keepdims=True)).sum(-1), rtol=1e-5)
@@ -209,18 +209,20 @@ def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, 
     stats = _row_stats(logits_B1V, scale, 2, block, 4, True)
     z = logits * np.asarray(scale)[:, None]
 
-    def rows(floor_search):
-        row_stats, cands = _rows(logits_B1V, t, scale, k, p, *stats, draw_block=block, block_c=block,
-                                 capacity=capacity, candidates=True, num_warps=4, interpret=True,
-                                 floor_search=floor_search)
-        return (*(np.asarray(x)[:, 0] for x in row_stats[3:]), *(np.asarray(x)[:, 0] for x in cands))
-
-    fast_num, *_, fast_z, fast_id = rows(floor_search=False)
-    assert_candidates(fast_num, fast_z, fast_id, z, capacity)
+    fast = _rows(logits_B1V, t, scale, k, p, *stats, draw_block=block, block_c=block, capacity=capacity,
+                 candidates=True, num_warps=4, interpret=True)
+    columns = lambda row_stats, cands: (*(np.asarray(x)[:, 0] for x in row_stats[3:]),  # noqa: E731
+                                        *(np.asarray(x)[:, 0] for x in cands))
+    fast_num, *_, fast_z, fast_id = columns(fast[0], fast[2])
+    truncated = assert_candidates(fast_num, fast_z, fast_id, z, capacity)
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(fast[1])[:, 0]),
+                                  [r for r in truncated if fast_num[r] < 0])
     sub = min(64, block)  # the statistics' sub-block size
-    if vocab > 3 and capacity >= 3 * sub and not tie_step:
+    if vocab > 2 * sub and capacity >= 3 * sub and not tie_step:
         assert fast_num[2] >= 0  # top-k 3: three sub-blocks hold every candidate
-    num, w, c, kept, cand_z, cand_id = rows(floor_search=True)
+    searched = _searched_rows(logits_B1V, t, scale, k, p, *fast, block_c=block, capacity=capacity, num_warps=4,
+                              interpret=True) if np.any(fast[1]) else (fast[0], fast[2])
+    num, w, c, kept, cand_z, cand_id = columns(*searched)
     np.testing.assert_array_equal(num[fast_num >= 0], fast_num[fast_num >= 0])
     truncated = assert_candidates(num, cand_z, cand_id, z, capacity)
     if vocab > 3 and not tie_step:
@@ -293,8 +295,9 @@ def test_invalid_arguments(kwargs, match):
                                                                  (jnp.float32, 16, PARALLEL_ROWS), (jnp.float32, 1, 0)])
 def test_lowers_to_valid_triton_ir(dtype, stats_blocks, parallel_rows):
     """Qwen3-sized vocabulary: the kernels (statistics, rows with their candidates and boundaries,
-    walk; with ``parallel_rows=0`` rows without candidates and a walk that finds them itself) lower
-    to Triton IR that the MLIR verifier accepts."""
+    the floor passes, compaction and boundaries of the rows those leave without, walk; with
+    ``parallel_rows=0`` rows without candidates and a walk that finds them itself) lower to Triton IR
+    that the MLIR verifier accepts."""
     batch, nodes, vocab = 4, 65, 151936
     s = jax.ShapeDtypeStruct
     args = [s((batch, nodes), jnp.int32), s((batch, nodes), jnp.int32), s((batch, nodes, vocab), dtype),
@@ -304,9 +307,11 @@ def test_lowers_to_valid_triton_ir(dtype, stats_blocks, parallel_rows):
                                         capacity=2048, interpret=False, stats_blocks=stats_blocks,
                                         parallel_rows=parallel_rows)
     modules = {re.search(r"tt.func public @(\w+)", m).group(1): m for m in verified_triton_modules(fn, *args)}
-    assert sorted(modules) == ["tree_sample", "tree_sample_row_stats", "tree_sample_rows"]
-    assert all("tt.reduce" in modules[name] for name in modules)
-    scans = ("tree_sample_rows", "tree_sample") if parallel_rows else ("tree_sample",)
+    searched = ["tree_sample_boundaries", "tree_sample_candidates", "tree_sample_floors"] if parallel_rows else []
+    assert sorted(modules) == sorted(["tree_sample", "tree_sample_row_stats", "tree_sample_rows", *searched])
+    reductions = ("tree_sample_row_stats", "tree_sample_rows", *searched[2:])
+    assert all("tt.reduce" in modules[name] for name in reductions)
+    scans = ("tree_sample", "tree_sample_rows", "tree_sample_candidates") if parallel_rows else ("tree_sample",)
     assert all("tt.scan" in modules[name] for name in scans)
 
 
