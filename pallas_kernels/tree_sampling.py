@@ -230,7 +230,7 @@ def _nth_id(in_set, n, ids, none):
 
 def _in_slots(num, capacity, fn):
     """``fn(size)`` for the fewer of ``_FEW_SLOTS`` or ``capacity`` candidate slots that hold ``num``
-    candidates: the searches work on every slot they load."""
+    candidates: the boundary and the draw work on every slot they load."""
     few = min(_FEW_SLOTS, capacity)
     return fn(capacity) if few == capacity else _either(num <= few, lambda: fn(few), lambda: fn(capacity))
 
@@ -306,16 +306,13 @@ def _row_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p,
     """Boundary ``(w, c)`` and kept mass of the ``num`` candidates in slots ``row`` of the candidate
     refs: ranked (``_ranked_boundary``) when they fit ``_FEW_SLOTS``, else searched in registers
     (``_candidate_boundary``)."""
-    few = min(_FEW_SLOTS, capacity)
-    ranked = lambda: _ranked_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p,  # noqa: E731
-                                      top_k, top_p, few, vocab)
-    if few == capacity:
-        return ranked()
-
-    def searched():
-        _, live, ids, key, e = _load_candidates(cand_z_ref, cand_id_ref, row, num, m, capacity, vocab)
+    def boundary(size):
+        if size <= _FEW_SLOTS:
+            return _ranked_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p, top_k, top_p,
+                                    size, vocab)
+        _, live, ids, key, e = _load_candidates(cand_z_ref, cand_id_ref, row, num, m, size, vocab)
         return _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, top_p, vocab)
-    return _either(num <= few, ranked, searched)
+    return _in_slots(num, capacity, boundary)
 
 
 def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
@@ -921,7 +918,7 @@ def _compact_kernel(active_ref, scale_ref, floor_ref, offset_ref, logits_ref, _z
 def _boundary_kernel(num_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref, top_p_ref, cand_z_ref,
                      cand_id_ref, w_ref, c_ref, kept_ref, *, capacity, vocab):
     """Program r: the kept-set boundary ``(w, c)`` and kept mass of row r from its candidates
-    (``_candidate_boundary``); ``(INT_MIN, vocab, total)`` for a row without candidates."""
+    (``_row_boundary``); ``(INT_MIN, vocab, total)`` for a row without candidates."""
     num, m, total = num_ref[()], max_ref[()], mass_ref[()]
     w_ref[()], c_ref[()], kept_ref[()] = _when(num >= 0, lambda: _row_boundary(
         cand_z_ref, cand_id_ref, jnp.int32(0), num, m, total, use_k_ref[()] != 0, use_p_ref[()] != 0, top_k_ref[()],
@@ -1028,12 +1025,12 @@ def _tree_sample_pallas(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins
     max_BNK, _, block_mass_BNK, sub_max_BNS = block_stats
     prepared = batch * num_nodes <= parallel_rows
     block_c = _candidate_block(block_v)
-    params = (logits_BNV, temperature_B, scale_B, top_k_B, top_p_B)
-    stats_BN, search_BN, cands = _rows(*params, *block_stats, draw_block=draw_block, block_c=block_c,
+    inputs = (logits_BNV, temperature_B, scale_B, top_k_B, top_p_B)
+    stats_BN, search_BN, cands = _rows(*inputs, *block_stats, draw_block=draw_block, block_c=block_c,
                                        capacity=capacity, candidates=prepared, num_warps=num_warps, interpret=interpret)
     if prepared:
         stats_BN, cands = lax.cond(jnp.any(search_BN != 0), lambda: _searched_rows(
-            *params, stats_BN, search_BN, cands, block_c=block_c, capacity=capacity, num_warps=num_warps,
+            *inputs, stats_BN, search_BN, cands, block_c=block_c, capacity=capacity, num_warps=num_warps,
             interpret=interpret), lambda: (stats_BN, cands))
     else:
         cands = [jnp.zeros((batch, 1, capacity + 1), dtype) for dtype in (jnp.float32, jnp.int32)]
