@@ -305,14 +305,15 @@ def _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, to
 def _row_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p, top_k, top_p, capacity, vocab):
     """Boundary ``(w, c)`` and kept mass of the ``num`` candidates in slots ``row`` of the candidate
     refs: ranked (``_ranked_boundary``) when they fit ``_FEW_SLOTS``, else searched in registers
-    (``_candidate_boundary``)."""
+    (``_candidate_boundary``); ``(INT_MIN, vocab, total_all)`` when ``num < 0`` (no candidates)."""
     def boundary(size):
         if size <= _FEW_SLOTS:
             return _ranked_boundary(cand_z_ref, cand_id_ref, row, num, m, total_all, use_k, use_p, top_k, top_p,
                                     size, vocab)
         _, live, ids, key, e = _load_candidates(cand_z_ref, cand_id_ref, row, num, m, size, vocab)
         return _candidate_boundary(live, ids, key, e, m, total_all, use_k, use_p, top_k, top_p, vocab)
-    return _in_slots(num, capacity, boundary)
+    return _when(num >= 0, lambda: _in_slots(num, capacity, boundary),
+                 (jnp.int32(_INT_MIN), jnp.int32(vocab), total_all))
 
 
 def _sample_kernel(temperature_ref, scale_ref, top_k_ref, top_p_ref, final_coin_ref, tokens_ref, parents_ref,
@@ -812,9 +813,8 @@ def _candidate_stats(logits_ref, row, sub_max_ref, hot_ref, cand_z_ref, cand_id_
     num = _find_candidates(logits_ref, row, sub_max_ref, hot_ref, cand_z_ref, cand_id_ref, cand_row, m=m, total=total,
                            scale=scale, use_k=use_k, top_k=top_k, top_p=top_p, vocab=vocab, block_c=block_c, sub=sub,
                            capacity=capacity, barrier=barrier, floor_search=floor_search)
-    return (num, *_when(num >= 0, lambda: _row_boundary(cand_z_ref, cand_id_ref, cand_row, num, m, total, use_k,
-                                                        use_p, top_k, top_p, capacity, vocab),
-                        (jnp.int32(_INT_MIN), jnp.int32(vocab), total)))
+    return num, *_row_boundary(cand_z_ref, cand_id_ref, cand_row, num, m, total, use_k, use_p, top_k, top_p,
+                               capacity, vocab)
 
 
 def _rescaled(mass_K, max_K, m, num_blocks):
@@ -919,10 +919,9 @@ def _boundary_kernel(num_ref, max_ref, mass_ref, use_k_ref, use_p_ref, top_k_ref
                      cand_id_ref, w_ref, c_ref, kept_ref, *, capacity, vocab):
     """Program r: the kept-set boundary ``(w, c)`` and kept mass of row r from its candidates
     (``_row_boundary``); ``(INT_MIN, vocab, total)`` for a row without candidates."""
-    num, m, total = num_ref[()], max_ref[()], mass_ref[()]
-    w_ref[()], c_ref[()], kept_ref[()] = _when(num >= 0, lambda: _row_boundary(
-        cand_z_ref, cand_id_ref, jnp.int32(0), num, m, total, use_k_ref[()] != 0, use_p_ref[()] != 0, top_k_ref[()],
-        top_p_ref[()], capacity, vocab), (jnp.int32(_INT_MIN), jnp.int32(vocab), total))
+    w_ref[()], c_ref[()], kept_ref[()] = _row_boundary(
+        cand_z_ref, cand_id_ref, jnp.int32(0), num_ref[()], max_ref[()], mass_ref[()], use_k_ref[()] != 0,
+        use_p_ref[()] != 0, top_k_ref[()], top_p_ref[()], capacity, vocab)
 
 
 def _floor_candidates(logits_RV, scale_R, max_R, mass_R, search_R, use_k_R, top_k_R, top_p_R, num_R, cand_z_R1C,
@@ -985,12 +984,13 @@ def _searched_rows(logits_BNV, temperature_B, scale_B, top_k_B, top_p_B, stats_B
     params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
     m_BN, argmax_BN, total_BN, num_BN, *bounds_BN = stats_BN
     flat = lambda x_BN: x_BN[:, :num_nodes].reshape(rows)  # noqa: E731
+    m_R, total_R = flat(m_BN), flat(total_BN)
     per_row = lambda x_B: jnp.repeat(x_B, num_nodes)  # noqa: E731
     top_k_R, top_p_R = per_row(top_k_B), per_row(top_p_B)
     use_k_R, use_p_R = _truncation(per_row(temperature_B), top_k_R, top_p_R, vocab)
     search_R = search_BN.reshape(rows) != 0
     num_R, *cands_R1C = _floor_candidates(
-        logits_BNV.reshape(rows, vocab), per_row(scale_B), flat(m_BN), flat(total_BN), search_R, use_k_R, top_k_R,
+        logits_BNV.reshape(rows, vocab), per_row(scale_B), m_R, total_R, search_R, use_k_R, top_k_R,
         top_p_R, flat(num_BN), *(c.reshape(rows, 1, capacity + 1) for c in cands), block=block_c, capacity=capacity,
         params=params, interpret=interpret)
     scalar = pl.BlockSpec((None,), lambda r: (r,))
@@ -1000,7 +1000,7 @@ def _searched_rows(logits_BNV, temperature_B, scale_B, top_k_B, top_p_B, stats_B
         in_specs=[scalar] * 7 + [cand_row] * 2, out_specs=[scalar] * 3,
         out_shape=[jax.ShapeDtypeStruct((rows,), dtype) for dtype in (jnp.int32, jnp.int32, jnp.float32)],
         compiler_params=params, interpret=interpret, name="tree_sample_boundaries",
-    )(jnp.where(search_R, num_R, -1), flat(m_BN), flat(total_BN), use_k_R.astype(jnp.int32),
+    )(jnp.where(search_R, num_R, -1), m_R, total_R, use_k_R.astype(jnp.int32),
       use_p_R.astype(jnp.int32), top_k_R, top_p_R, *cands_R1C)
     update = lambda x_BN, x_R: x_BN.at[:, :num_nodes].set(jnp.where(search_R, x_R, flat(x_BN)).reshape(  # noqa: E731
         batch, num_nodes))
