@@ -204,14 +204,20 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
     )
 
 
+def streamed_bytes(target) -> int:
+    """Bytes of the target weights a forward reads in full: every layer, the final norm and the
+    LM head (the embedding when tied); the embedding table itself is only gathered."""
+    p = target.params
+    return weight_bytes((p.layers, p.final_norm, p.embed if p.lm_head is None else p.lm_head))
+
+
 def rooflines(target, drafter, hbm_bytes_per_s: float) -> tuple[float, float]:
-    """(decode step, DDTree round) HBM floors in ms: the weights each must stream once."""
-    lm_head = target.params.get("lm_head", target.params["embed"])
-    target_bytes = weight_bytes({k: v for k, v in target.params.items() if k != "embed"})
-    if target.config.tie_word_embeddings:
-        target_bytes += weight_bytes(lm_head)
-    decode = 1e3 * target_bytes / hbm_bytes_per_s
-    return decode, decode + 1e3 * (weight_bytes(drafter.params) + weight_bytes(lm_head)) / hbm_bytes_per_s
+    """(decode step, DDTree round) HBM floors in ms: the weights each must stream once (the
+    round adds the drafter and a second pass over the LM head)."""
+    p = target.params
+    head_bytes = weight_bytes(p.embed if p.lm_head is None else p.lm_head)
+    decode = 1e3 * streamed_bytes(target) / hbm_bytes_per_s
+    return decode, decode + 1e3 * (weight_bytes(drafter.params) + head_bytes) / hbm_bytes_per_s
 
 
 def bench_shapes(args, emit) -> None:

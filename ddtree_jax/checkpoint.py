@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -21,6 +22,7 @@ from safetensors.numpy import save_file
 
 from ddtree_jax.models.dflash import DFlashConfig, Drafter
 from ddtree_jax.models.layers import LayerShape, layer_shape
+from ddtree_jax.models.params import DecoderLayer, DrafterParams, TargetParams
 from ddtree_jax.models.qwen3 import Qwen3Config, Target
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
@@ -41,24 +43,25 @@ def _layer_hf_shapes(s: LayerShape) -> dict[str, tuple[int, ...]]:
             "mlp.gate_proj.weight": (inter, d), "mlp.up_proj.weight": (inter, d), "mlp.down_proj.weight": (d, inter)}
 
 
-def _layer_from_hf(get, s: LayerShape) -> dict:
-    return {"input_norm": get("input_layernorm.weight"), "post_norm": get("post_attention_layernorm.weight"),
-            "wqkv": np.concatenate([get(f"self_attn.{n}_proj.weight").T for n in "qkv"], axis=1),
-            "q_norm": get("self_attn.q_norm.weight"), "k_norm": get("self_attn.k_norm.weight"),
-            "wo": get("self_attn.o_proj.weight").T,
-            "w_gate_up": np.concatenate([get("mlp.gate_proj.weight").T, get("mlp.up_proj.weight").T], axis=1),
-            "w_down": get("mlp.down_proj.weight").T}
+def _layer_from_hf(get, s: LayerShape) -> DecoderLayer:
+    return DecoderLayer(
+        input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
+        wqkv=np.concatenate([get(f"self_attn.{n}_proj.weight").T for n in "qkv"], axis=1),
+        q_norm=get("self_attn.q_norm.weight"), k_norm=get("self_attn.k_norm.weight"),
+        wo=get("self_attn.o_proj.weight").T,
+        w_gate_up=np.concatenate([get("mlp.gate_proj.weight").T, get("mlp.up_proj.weight").T], axis=1),
+        w_down=get("mlp.down_proj.weight").T)
 
 
-def _layer_to_hf(layer, s: LayerShape) -> dict:
+def _layer_to_hf(layer: DecoderLayer, s: LayerShape) -> dict:
     q_cols, kv_cols = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-    wq, wk, wv = np.split(layer["wqkv"], [q_cols, q_cols + kv_cols], axis=1)
-    w_gate, w_up = np.split(layer["w_gate_up"], 2, axis=1)
-    return {"input_layernorm.weight": layer["input_norm"], "post_attention_layernorm.weight": layer["post_norm"],
+    wq, wk, wv = np.split(layer.wqkv, [q_cols, q_cols + kv_cols], axis=1)
+    w_gate, w_up = np.split(layer.w_gate_up, 2, axis=1)
+    return {"input_layernorm.weight": layer.input_norm, "post_attention_layernorm.weight": layer.post_norm,
             "self_attn.q_proj.weight": wq.T, "self_attn.k_proj.weight": wk.T, "self_attn.v_proj.weight": wv.T,
-            "self_attn.o_proj.weight": layer["wo"].T, "self_attn.q_norm.weight": layer["q_norm"],
-            "self_attn.k_norm.weight": layer["k_norm"], "mlp.gate_proj.weight": w_gate.T,
-            "mlp.up_proj.weight": w_up.T, "mlp.down_proj.weight": layer["w_down"].T}
+            "self_attn.o_proj.weight": layer.wo.T, "self_attn.q_norm.weight": layer.q_norm,
+            "self_attn.k_norm.weight": layer.k_norm, "mlp.gate_proj.weight": w_gate.T,
+            "mlp.up_proj.weight": w_up.T, "mlp.down_proj.weight": layer.w_down.T}
 
 
 # ---- whole-model name maps ---------------------------------------------------------------
@@ -80,45 +83,37 @@ def _drafter_hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _target_params(cfg: Qwen3Config, get) -> dict:
-    params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"),
-              "layers": [_layer_from_hf(lambda n, i=i: get(f"model.layers.{i}.{n}"), layer_shape(cfg))
-                         for i in range(cfg.num_hidden_layers)]}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight").T
-    return params
+def _target_params(cfg: Qwen3Config, get) -> TargetParams:
+    return TargetParams(
+        embed=get("model.embed_tokens.weight"), final_norm=get("model.norm.weight"),
+        layers=[_layer_from_hf(lambda n, i=i: get(f"model.layers.{i}.{n}"), layer_shape(cfg))
+                for i in range(cfg.num_hidden_layers)],
+        lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight").T)
 
 
-def _drafter_params(cfg: DFlashConfig, get) -> dict:
-    return {"fc": get("fc.weight").T, "hidden_norm": get("hidden_norm.weight"), "final_norm": get("norm.weight"),
-            "layers": [_layer_from_hf(lambda n, i=i: get(f"layers.{i}.{n}"), layer_shape(cfg))
-                       for i in range(cfg.num_hidden_layers)]}
+def _drafter_params(cfg: DFlashConfig, get) -> DrafterParams:
+    return DrafterParams(
+        fc=get("fc.weight").T, hidden_norm=get("hidden_norm.weight"), final_norm=get("norm.weight"),
+        layers=[_layer_from_hf(lambda n, i=i: get(f"layers.{i}.{n}"), layer_shape(cfg))
+                for i in range(cfg.num_hidden_layers)])
 
 
 def _target_tensors(target: Target) -> dict:
-    cfg, p = target.config, _to_numpy(target.params)
-    tensors = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
-    if not cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = p["lm_head"].T
-    for i, layer in enumerate(p["layers"]):
+    cfg, p = target.config, jax.tree.map(np.asarray, target.params)
+    tensors = {"model.embed_tokens.weight": p.embed, "model.norm.weight": p.final_norm}
+    if p.lm_head is not None:
+        tensors["lm_head.weight"] = p.lm_head.T
+    for i, layer in enumerate(p.layers):
         tensors.update({f"model.layers.{i}.{n}": w for n, w in _layer_to_hf(layer, layer_shape(cfg)).items()})
     return tensors
 
 
 def _drafter_tensors(drafter: Drafter) -> dict:
-    cfg, p = drafter.config, _to_numpy(drafter.params)
-    tensors = {"fc.weight": p["fc"].T, "hidden_norm.weight": p["hidden_norm"], "norm.weight": p["final_norm"]}
-    for i, layer in enumerate(p["layers"]):
+    cfg, p = drafter.config, jax.tree.map(np.asarray, drafter.params)
+    tensors = {"fc.weight": p.fc.T, "hidden_norm.weight": p.hidden_norm, "norm.weight": p.final_norm}
+    for i, layer in enumerate(p.layers):
         tensors.update({f"layers.{i}.{n}": w for n, w in _layer_to_hf(layer, layer_shape(cfg)).items()})
     return tensors
-
-
-def _to_numpy(params):
-    if isinstance(params, dict):
-        return {k: _to_numpy(v) for k, v in params.items()}
-    if isinstance(params, list):
-        return [_to_numpy(v) for v in params]
-    return np.asarray(params)
 
 
 # ---- public API --------------------------------------------------------------------------
@@ -214,11 +209,7 @@ def _open_checked(path, expected, optional):
 
 
 def _as_jax(params, dtype):
-    if isinstance(params, dict):
-        return {k: _as_jax(v, dtype) for k, v in params.items()}
-    if isinstance(params, list):
-        return [_as_jax(v, dtype) for v in params]
-    return jnp.asarray(params.astype(dtype))
+    return jax.tree.map(lambda x: jnp.asarray(x.astype(dtype)), params)
 
 
 def _save(path, hf_config, tensors, max_shard_bytes) -> None:

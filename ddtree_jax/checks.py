@@ -52,6 +52,12 @@ def positive_int(name: str, value, *, minimum: int = 1, maximum: int | None = No
     return int(value)
 
 
+def draft_temperature(value) -> None:
+    """Raise unless ``value`` is a finite scalar ``> 0`` (the drafter's temperature)."""
+    if not (np.ndim(value) == 0 and np.isfinite(value) and value > 0):
+        raise ValueError(f"draft_temperature must be a finite number > 0, got {value!r}")
+
+
 def per_request(name: str, value, batch: int, dtype) -> jax.Array:
     """Broadcast a scalar or ``[batch]`` sampling parameter to a ``[batch]`` array of ``dtype``."""
     shape = np.shape(value)

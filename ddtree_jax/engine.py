@@ -1,6 +1,6 @@
 """Generation: AR, DFlash chain and DDTree decoding rounds, greedy and sampled, batched.
 
-Every method runs the same round (DESIGN.md §1) as one jit-compiled function with donated state:
+Every method runs the same round (docs/design.md, "One round as data") as one jit-compiled function with donated state:
 
 1. drafter forward on ``[root, MASK x L]`` plus the last round's accepted target features,
 2. ``build_tree`` (DDTree: budget B, optional top-k cap; chain: ``topk_cap = 1``, budget L),
@@ -30,10 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ddtree_jax import checks, sharding
+from ddtree_jax import checks, kernels, sharding
 from ddtree_jax.models.cache import KVCache, commit, init_cache
-from ddtree_jax.models.dflash import Drafter, append_context, drafter_forward
-from ddtree_jax.models.layers import attention_impl_fn as attention_fn
+from ddtree_jax.models.dflash import Drafter, append_context, check_pair, drafter_forward
 from ddtree_jax.models.qwen3 import Target, target_forward
 from ddtree_jax.sampling import batch_probs, coins_from_keys, request_keys
 from ddtree_jax.tree import DraftTree, build_tree_unchecked, tree_attention_mask, tree_positions
@@ -52,7 +51,7 @@ class RoundSpec:
     topk_cap: int | None
     depth: int  # L, the drafter's block size - 1 (0 for AR)
     tap_layers: tuple[int, ...]
-    attention_impl: str = "xla"  # "xla" | "pallas" | "auto" (models.layers.attention_impl_fn)
+    attention_impl: str = "xla"  # one of kernels.IMPLS
     sampler_impl: str = "xla"  # "xla" (verify_from_coins) | "pallas" (pallas_kernels.tree_sample) | "auto" (_sampler)
 
     @property
@@ -302,8 +301,8 @@ def _pad_prompts(prompt_ids, vocab: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _resolve_impls(attention_impl: str, sampler_impl: str) -> tuple[str, str]:
-    """Validate the kernel switches (see `attention_fn` and `_sampler`)."""
-    attention_fn(attention_impl)
+    """Validate the kernel switches (see `ddtree_jax.kernels`)."""
+    kernels.check_impl("attention_impl", attention_impl)
     if sampler_impl not in SAMPLER_IMPLS:
         raise ValueError(f"sampler_impl must be one of {SAMPLER_IMPLS}, got {sampler_impl!r}")
     return attention_impl, sampler_impl
@@ -320,11 +319,8 @@ def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int,
         return RoundSpec("ar", 1, None, 0, (), *impls)
     if drafter is None:
         raise ValueError(f"method {method!r} needs a drafter")
-    dc, tc = drafter.config, target.config
-    if (dc.vocab_size, dc.hidden_size, dc.num_target_layers) != (tc.vocab_size, tc.hidden_size, tc.num_hidden_layers):
-        raise ValueError(
-            f"drafter (vocab {dc.vocab_size}, hidden {dc.hidden_size}, {dc.num_target_layers} target layers) does "
-            f"not match the target (vocab {tc.vocab_size}, hidden {tc.hidden_size}, {tc.num_hidden_layers} layers)")
+    check_pair(drafter, target)
+    dc = drafter.config
     depth = dc.block_size - 1
     budget = checks.positive_int("budget", budget, maximum=32768)
     if method == "chain":
@@ -387,8 +383,7 @@ def generate(
     """
     spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
-    if not (np.ndim(draft_temperature) == 0 and np.isfinite(draft_temperature) and draft_temperature > 0):
-        raise ValueError(f"draft_temperature must be a finite number > 0, got {draft_temperature!r}")
+    checks.draft_temperature(draft_temperature)
     prompt_BT, prompt_len_B = _pad_prompts(prompt_ids, target.config.vocab_size)
     batch = prompt_BT.shape[0]
     t, k, p = checks.sampling_params(temperature, top_k, top_p, batch)

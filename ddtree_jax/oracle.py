@@ -1,7 +1,8 @@
 """NumPy reference of the DDTree core: tree construction, encoding, target law, verification.
 
-Plain loops and a real heap, written for clarity rather than speed. The JAX implementation is
-tested against these functions. Conventions (DESIGN.md section 2):
+Plain loops and a real heap, written for clarity rather than speed. This is the test reference:
+the JAX implementation is tested against these functions, and nothing uses them at run time.
+Conventions (docs/design.md, "Conventions"):
 
 * A tree has ``N = budget + 1`` slots per request. Node 0 is the root (the round's input token,
   depth 0, ``logw = 0``); nodes ``1..num_nodes-1`` are the drafts in pop order of the best-first

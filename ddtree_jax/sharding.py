@@ -36,7 +36,7 @@ Randomness comes from per-request keys (``fold_in(fold_in(key, request_id), roun
 partitionable Threefry, never from the device layout, so tokens do not depend on the mesh.
 
 XLA does not partition Pallas kernels, so the tree-attention kernel runs inside ``shard_map``
-(`shard_attention`): per device, its ``"dp"`` block of the batch and, for the target, its ``"tp"``
+(`ddtree_jax.kernels.shard_attention`): per device, its ``"dp"`` block of the batch and, for the target, its ``"tp"``
 block of query heads with the KV heads they read (the cache's own ``"tp"`` block when it is split
 over KV heads; cut from the replicated cache otherwise). The drafter's attention is split over
 ``"dp"`` only. ``attention_impl="xla"`` stays the plain XLA path, partitioned by XLA.
@@ -45,18 +45,15 @@ over KV heads; cut from the replicated cache otherwise). The drafter's attention
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import checks
 from ddtree_jax.models.cache import KVCache
-from ddtree_jax.models.dflash import Drafter
-from ddtree_jax.models.qwen3 import Qwen3Config, Target
+from ddtree_jax.models.params import Model
 
 AXES = ("dp", "tp")
 _ROW_SHARDED = ("wqkv", "w_gate_up", "wo", "w_down")
@@ -78,7 +75,7 @@ def tp_size(mesh: Mesh) -> int:
     return mesh.shape["tp"]
 
 
-def check_tp(config: Qwen3Config, tp: int) -> None:
+def check_tp(config, tp: int) -> None:
     """Raise ``ValueError`` unless ``tp`` divides the target's attention heads, hidden size and MLP
     size (the row blocks of `target_specs` must be whole heads and equal)."""
     tp = checks.positive_int("tp", tp)
@@ -88,7 +85,7 @@ def check_tp(config: Qwen3Config, tp: int) -> None:
             raise ValueError(f"tp={tp} does not divide the target's {name}={value}")
 
 
-def check_mesh(mesh: Mesh, config: Qwen3Config | None, batch: int | None = None) -> None:
+def check_mesh(mesh: Mesh, config, batch: int | None = None) -> None:
     """Raise ``ValueError`` unless ``mesh`` has axes ``("dp", "tp")``, `check_tp` passes for the
     target ``config`` (when given) and ``dp`` divides ``batch`` (when given)."""
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
@@ -100,7 +97,7 @@ def check_mesh(mesh: Mesh, config: Qwen3Config | None, batch: int | None = None)
 
 
 def _param_spec(path, tp: int, vocab: int) -> P:
-    name = path[-1].key
+    name = path[-1].name
     if name in _ROW_SHARDED:
         return P("tp", None)
     if vocab % tp == 0 and name == "embed":
@@ -110,14 +107,14 @@ def _param_spec(path, tp: int, vocab: int) -> P:
     return P()
 
 
-def target_specs(target: Target, tp: int) -> dict:
+def target_specs(target: Model, tp: int):
     """``PartitionSpec`` of every target parameter (same pytree as ``target.params``), see the
     module docstring."""
     vocab = target.config.vocab_size
     return jax.tree_util.tree_map_with_path(lambda path, _: _param_spec(path, tp, vocab), target.params)
 
 
-def shard_target(target: Target, mesh: Mesh) -> Target:
+def shard_target(target: Model, mesh: Mesh) -> Model:
     """The target with its parameters placed on ``mesh`` by `target_specs` (validated first)."""
     check_mesh(mesh, target.config)
     specs = target_specs(target, tp_size(mesh))
@@ -125,7 +122,7 @@ def shard_target(target: Target, mesh: Mesh) -> Target:
     return dataclasses.replace(target, params=params)
 
 
-def shard_drafter(drafter: Drafter, mesh: Mesh) -> Drafter:
+def shard_drafter(drafter: Model, mesh: Mesh) -> Model:
     """The drafter with its parameters replicated on every device of ``mesh``."""
     return dataclasses.replace(drafter, params=jax.device_put(drafter.params, NamedSharding(mesh, P())))
 
@@ -141,55 +138,6 @@ def cache_shardings(cache: KVCache, mesh: Mesh, *, over_heads: bool = True) -> K
     """``NamedSharding``s of a `KVCache` (see `cache_spec`; ``lengths`` over ``"dp"``)."""
     spec = cache_spec(cache.k.shape[2], tp_size(mesh), over_heads=over_heads)
     return KVCache(k=NamedSharding(mesh, spec), v=NamedSharding(mesh, spec), lengths=NamedSharding(mesh, P("dp")))
-
-
-def shard_attention(attend_fn, mesh: Mesh, *, split_heads: bool):
-    """``attend_fn`` (the signature of `models.layers.attention`, e.g. the Pallas kernel) run per
-    device inside ``shard_map`` over ``mesh``, for use inside jit.
-
-    Every operand is split over ``"dp"`` along its batch axis. With ``split_heads`` (the target),
-    device j of ``"tp"`` takes the query heads ``[j H/tp, (j + 1) H/tp)`` (the row block of ``wo``
-    it holds) and the KV heads they read: its own block of a cache split over KV heads by
-    `cache_spec` (block j of H/tp query heads reads exactly KV block j of K/tp heads, the GQA
-    group being H/K), else `_local_kv_heads` of the replicated cache. Without ``split_heads`` (the
-    replicated drafter and its cache), heads stay whole and every ``"tp"`` device computes the
-    same output. Returns ``[B, N, H, D]`` laid out like ``q``'s in_spec. With ``layer``, ``k, v``
-    are the stacked ``[L, B, K, S, D]`` caches (see `models.layers.attention`).
-    """
-    tp = tp_size(mesh) if split_heads else 1
-    q_spec = P("dp", None, "tp" if split_heads else None, None)
-
-    def attend(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer=None):
-        num_heads, num_kv = q_BNHD.shape[2], k_BKSD.shape[-3]
-        kv_spec = cache_spec(num_kv, tp, over_heads=split_heads)
-        kv_spec = kv_spec if layer is not None else P(*kv_spec[1:])
-
-        def body(q_BNHD, k, v, lengths_B, mask_BNM):
-            if kv_spec[-3] is None and tp > 1:  # heads split, cache replicated: cut this device's heads
-                k, v = (k, v) if layer is None else (k[layer], v[layer])
-                return _local_kv_heads(functools.partial(attend_fn, scale=scale), q_BNHD, k, v, lengths_B,
-                                       mask_BNM, group=num_heads // num_kv)
-            return attend_fn(q_BNHD, k, v, lengths_B, mask_BNM, scale=scale, layer=layer)
-        # check_vma off: a pallas_call does not declare how its outputs vary over mesh axes.
-        sharded = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P("dp"), P("dp", None, None)),
-                                out_specs=q_spec, check_vma=False)
-        return sharded(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM)
-
-    return attend
-
-
-def _local_kv_heads(attend_fn, q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, group):
-    """Inside `shard_attention`, cache replicated over ``"tp"`` (``tp`` does not divide the KV
-    heads): attend with this device's ``h = H/tp`` query heads ``[j h, (j + 1) h)`` over only the KV
-    heads they read, cut from the whole cache (global query head ``q`` reads KV head ``q // group``).
-    When ``h`` divides ``group`` all of them read KV head ``j h // group``: one head is cut and GQA
-    packing is kept. Otherwise the KV head of each query head is gathered (group 1 per device).
-    """
-    local = q_BNHD.shape[2]
-    num_kv = 1 if group % local == 0 else local
-    first = jax.lax.axis_index("tp") * local
-    kv_K = (first + jnp.arange(num_kv) * (local // num_kv)) // group
-    return attend_fn(q_BNHD, jnp.take(k_BKSD, kv_K, axis=1), jnp.take(v_BKSD, kv_K, axis=1), lengths_B, mask_BNM)
 
 
 def batch_sharding(x, mesh: Mesh) -> NamedSharding:

@@ -1,11 +1,12 @@
 """DDTree construction and its encodings (first-child/next-sibling, attention mask, positions).
 
-Conventions (DESIGN.md §2). Node 0 is the root (the round's input token). The budget ``B`` counts
-non-root nodes and every tree array has ``N = B + 1`` slots. Nodes are stored in the pop order of
-the best-first search: non-increasing cumulative draft log-probability ``logw``, ties broken towards
-the lexicographically smaller *rank tuple* (the per-depth rank of each token on the path, where
-rank = position in the depth's order by descending probability, ties by smaller token id). So a
-parent always precedes its children and siblings appear by descending draft probability.
+Conventions (docs/design.md, "Conventions"). Node 0 is the root (the round's input token). The
+budget ``B`` counts non-root nodes and every tree array has ``N = B + 1`` slots. Nodes are stored
+in the pop order of the best-first search: non-increasing cumulative draft log-probability
+``logw``, ties broken towards the lexicographically smaller *rank tuple* (the per-depth rank of
+each token on the path, where rank = position in the depth's order by descending probability, ties
+by smaller token id). So a parent always precedes its children and siblings appear by descending
+draft probability.
 Unused slots are padding: ``parent = -1``, ``depth = 0``, ``token = 0``, ``logw = -inf``.
 
 ``build_tree`` computes the heap's result without a heap. The drafter's per-depth distributions do
@@ -196,10 +197,8 @@ def build_tree(
     budget = checks.positive_int("budget", budget, maximum=_MAX_BUDGET)
     if topk_cap is not None:
         topk_cap = checks.positive_int("topk_cap", topk_cap)
-    if checks.is_concrete(draft_temperature) and not (
-        np.ndim(draft_temperature) == 0 and np.isfinite(draft_temperature) and draft_temperature > 0
-    ):
-        raise ValueError(f"draft_temperature must be a finite number > 0, got {draft_temperature!r}")
+    if checks.is_concrete(draft_temperature):
+        checks.draft_temperature(draft_temperature)
     checks.finite("draft_logits", draft_logits)
     checks.token_range("root_tokens", root_tokens, draft_logits.shape[2])
     return build_tree_unchecked(

@@ -40,8 +40,9 @@ from ddtree_jax.tree import build_tree, tree_positions
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels import configs
 from pallas_kernels.configs import TreeAttentionConfig
-from pallas_kernels.reference import tree_attention_reference
 from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
+from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_sampling import PARALLEL_ROWS, tree_sample
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -360,8 +361,8 @@ def main(argv=None):
         shapes = [(b, n, c) for b in ints(args.batches) for n in ints(args.nodes) for c in contexts]
         if part == "attention":
             available = {
-                "pallas": functools.partial(tree_attention, scale=scale, backend="triton"),
-                "mosaic": functools.partial(tree_attention, scale=scale, backend="mosaic"),
+                "pallas": functools.partial(tree_attention, scale=scale, config=configs.tree_attention_config()),
+                "mosaic": functools.partial(tree_attention_mgpu, scale=scale),
                 "xla": functools.partial(tree_attention_reference, scale=scale),
                 "dpa": functools.partial(dot_product_attention, scale=scale)}
             unknown = set(args.impls.split(",")) - available.keys()
@@ -371,7 +372,7 @@ def main(argv=None):
         else:
             xla = functools.partial(tree_attention_reference, scale=scale)
             impls = {name: xla if name == "xla" else functools.partial(
-                tree_attention, scale=scale, backend="triton", config=sweep_config(name))
+                tree_attention, scale=scale, config=sweep_config(name))
                 for name in args.sweep_configs.split(",")}
         bench_attention(shapes, impls, peak_gbs=args.peak_gbs, budget_s=args.budget_s, report=report,
                         chain=args.chain, repeats=args.repeats)

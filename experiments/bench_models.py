@@ -20,21 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from ddtree_jax.bench import streamed_bytes  # noqa: E402
 from ddtree_jax.models import Qwen3Config, init_cache, init_target, target_forward  # noqa: E402
 from experiments.common import median_ms  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
                 tie_word_embeddings=False, max_position_embeddings=131072)
-
-
-def streamed_bytes(target) -> int:
-    """Bytes of every weight a forward reads in full (the embedding is only gathered)."""
-    leaves = jax.tree_util.tree_leaves({k: v for k, v in target.params.items() if k != "embed"})
-    total = sum(x.size * x.dtype.itemsize for x in leaves)
-    if target.config.tie_word_embeddings:
-        total += target.params["embed"].size * target.params["embed"].dtype.itemsize
-    return total
 
 
 def main():

@@ -19,6 +19,7 @@ device, over shapes too large for the CPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -29,9 +30,11 @@ import numpy as np
 
 from ddtree_jax.verify import verify_from_coins
 from experiments.bench_kernels import compare_results, sampling_inputs
-from pallas_kernels.reference import tree_attention_reference
+from pallas_kernels.configs import tree_attention_config
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
+from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
+from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_sampling import tree_sample
 
 # (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
@@ -125,13 +128,22 @@ def check_attention(backends=("triton",), cases=ATTENTION_CASES, stacked=STACKED
             record = dict(backend=backend, batch=batch, nodes=nodes, heads=heads,
                           kv_heads=kv_heads, head_dim=head_dim, contexts=contexts,
                           padding=padding, dtype=dtype, layers=layers)
-            if backend == "mosaic" and not any(jnp.dtype(dtype) == d for d in MOSAIC_DTYPES):
+            if backend.startswith("mosaic") and not any(jnp.dtype(dtype) == d for d in MOSAIC_DTYPES):
                 record.update(ok=True, skipped=f"{dtype} not supported by the mosaic kernel")
                 print(record, flush=True)
                 records.append(record)
                 continue
             records.append(_check_attention_backend(record, args, scale, ref, backend))
     return records
+
+
+def attention_kernel(backend: str):
+    """The attention kernel a ``--backends`` name stands for: ``triton`` (the local GPU's config),
+    ``mosaic`` (Hopper), or either run by its interpreter (``interpret``, ``mosaic_interpret``)."""
+    return {"triton": lambda: functools.partial(tree_attention, config=tree_attention_config()),
+            "mosaic": lambda: tree_attention_mgpu,
+            "interpret": lambda: functools.partial(tree_attention, interpret=True),
+            "mosaic_interpret": lambda: functools.partial(tree_attention_mgpu, interpret=True)}[backend]()
 
 
 def _check_attention_backend(record, args, scale, ref, backend):
@@ -141,8 +153,7 @@ def _check_attention_backend(record, args, scale, ref, backend):
         if record["layers"]:
             layer = record["layers"] - 1
             k, v = (jnp.zeros((layer + 1, *x.shape), x.dtype).at[layer].set(x) for x in (k, v))
-        out = np.asarray(tree_attention(q, k, v, lengths, mask, scale=scale, layer=layer, backend=backend),
-                         np.float32)
+        out = np.asarray(attention_kernel(backend)(q, k, v, lengths, mask, scale=scale, layer=layer), np.float32)
         err = float(np.abs(out - ref).max())
         tol = 1e-4 if record["dtype"] == "float32" else 3e-2
         return dict(max_abs_err=err, tol=tol, ok=bool(err <= tol and np.isfinite(out).all()))

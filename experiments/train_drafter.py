@@ -1,4 +1,4 @@
-"""Train a DFlash drafter against a frozen target (the DFlash recipe, DFLASH.md).
+"""Train a DFlash drafter against a frozen target (the DFlash recipe, docs/design.md "Training the drafter").
 
     python experiments/train_drafter.py --target runs/target --out runs/drafter [--data corpus|generations]
     python experiments/train_drafter.py --tiny --target /tmp/target --out /tmp/drafter

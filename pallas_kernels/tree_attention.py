@@ -1,6 +1,6 @@
 """Tree-verify attention: N new queries over a request's KV cache prefix plus the N tree keys.
 
-Same contract as ``ddtree_jax.models.layers.attention`` (see ``tree_attention_reference``).
+Same contract as ``tree_attention_reference``.
 The Pallas kernel (Triton lowering) works per (request, KV head):
 
 - **GQA packing**: the N queries of the G query heads that share a KV head are stacked into
@@ -23,119 +23,53 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.configs import TreeAttentionConfig, device_capability, tree_attention_config
-from pallas_kernels.reference import tree_attention_reference
+from pallas_kernels.configs import TreeAttentionConfig
+from pallas_kernels.split_k import merge_splits, round_up, split_count
+from pallas_kernels.tree_attention_reference import check_shapes, stacked
 
-BACKENDS = ("auto", "triton", "interpret", "mosaic", "mosaic_interpret", "xla")
-_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Masked scores: finite, so that a block with no visible key yields no NaN (its
 # probabilities are zeroed explicitly).
 _NEG = -1e30
 
 
 def tree_attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer: int | None = None,
-                   backend="auto", config: TreeAttentionConfig | None = None):
-    """Masked GQA attention of N new queries over one layer's KV cache.
+                   config: TreeAttentionConfig | None = None, interpret: bool = False):
+    """Masked GQA attention of N new queries over one layer's KV cache (Pallas, Triton lowering).
 
-    Args:
-      q_BNHD: ``[B, N, H, D]`` queries of the N new tokens.
-      k_BKSD, v_BKSD: ``[B, K, S, D]`` one layer's cache, already holding the M new keys and
-        values at slots ``[lengths[b], lengths[b] + M)``.
-      lengths_B: int ``[B]`` committed prefix length per request.
-      mask_BNM: bool ``[B, N, M]``; new slot ``lengths[b] + j`` is visible to query i iff
-        ``mask[b, i, j]``; every slot ``< lengths[b]`` is visible.
-      scale: softmax scale (a Python float).
-      layer: with a layer index (a Python int), ``k_BKSD, v_BKSD`` are the stacked caches
-        ``[L, B, K, S, D]`` of all layers and layer ``layer`` is attended; the Triton kernel
-        reads it in place (a slice passed to a kernel call is a copy of the layer's cache), the
-        Mosaic kernel and the reference slice it out.
-      backend: ``"triton"`` (Pallas Triton kernel on a CUDA GPU), ``"interpret"`` (the same
-        kernel interpreted, any platform), ``"mosaic"`` (the Mosaic GPU kernel of
-        ``tree_attention_mgpu``, Hopper only, bf16/fp16, head_dim 64/128; slower than the Triton
-        kernel on an H200 at most shapes, so ``"auto"`` never picks it), ``"mosaic_interpret"``
-        (that kernel in the Mosaic GPU interpreter, CPU), ``"xla"`` (``tree_attention_reference``) or ``"auto"`` (triton
-        on a CUDA GPU when the shapes are supported, else xla).
-      config: tiling; default from ``configs.tree_attention_config`` for the local GPU (for
-        the mosaic backends, ``configs.MOSAIC_TREE_ATTENTION_CONFIGS``).
+    Same arguments and result as ``tree_attention_reference`` (``layer``: the kernel reads that
+    layer of the stacked ``[L, B, K, S, D]`` caches in place; a slice passed to a kernel call
+    would be a copy of the layer's cache), plus:
 
-    Returns:
-      ``[B, N, H, D]`` in ``q``'s dtype. Query head h reads KV head ``h // (H // K)``; softmax
-      in float32. A query that sees no slot at all gets zeros from the kernel (the reference
-      returns a finite average there); tree masks always let a node see itself.
+      config: tiling, e.g. ``configs.tree_attention_config(capability)``; default the Ampere
+        entry.
+      interpret: run the kernel in the Pallas interpreter (any platform) instead of compiling it.
+
+    Needs `kernel_supports`. A query that sees no slot at all gets zeros (the reference returns a
+    finite average there); tree masks always let a node see itself.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    k_LBKSD, v_LBKSD, layer = _stacked(k_BKSD, v_BKSD, layer)
+    k_LBKSD, v_LBKSD, layer = stacked(k_BKSD, v_BKSD, layer)
     k_BKSD, v_BKSD = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k_LBKSD, v_LBKSD))
     check_shapes(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale)
-    if backend == "auto":
-        on_cuda = jax.default_backend() == "gpu" and device_capability() >= (8, 0)
-        backend = "triton" if on_cuda and kernel_supports(q_BNHD, k_BKSD) else "xla"
-    if backend == "xla":
-        return tree_attention_reference(q_BNHD, k_LBKSD[layer], v_LBKSD[layer], lengths_B, mask_BNM,
-                                        scale=scale)
-    if backend in ("mosaic", "mosaic_interpret"):
-        # Imported here: that module builds on this one's checks, split count and merge.
-        from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
-        return tree_attention_mgpu(q_BNHD, k_LBKSD[layer], v_LBKSD[layer], lengths_B, mask_BNM, scale=scale,
-                                   interpret=backend == "mosaic_interpret", config=config)
     if not kernel_supports(q_BNHD, k_BKSD):
-        raise ValueError(f"backend={backend!r} needs a power-of-two head_dim >= 16 and float32, "
+        raise ValueError(f"the Triton attention kernel needs a power-of-two head_dim >= 16 and float32, "
                          f"bfloat16 or float16 q/k/v of one dtype; got head_dim={q_BNHD.shape[-1]}, "
                          f"dtypes {q_BNHD.dtype}, {k_BKSD.dtype}, {v_BKSD.dtype}")
-    if config is None:
-        config = tree_attention_config(device_capability() if backend == "triton" else (8, 0))
+    config = TreeAttentionConfig() if config is None else config
     return _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, jnp.asarray(lengths_B, jnp.int32),
                                   mask_BNM, scale=float(scale), layer=layer, config=config,
-                                  interpret=backend == "interpret")
-
-
-def _stacked(k, v, layer):
-    """``(k [L, B, K, S, D], v, layer)``: one layer's ``[B, K, S, D]`` cache as a stack of one."""
-    if layer is None:
-        if k.ndim != 4 or v.ndim != 4:
-            raise ValueError(f"k and v must be [B, K, S, D] (or pass layer= with [L, B, K, S, D] caches), "
-                             f"got shapes {k.shape} and {v.shape}")
-        return k[None], v[None], 0
-    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-        raise ValueError(f"layer must be an int (a static layer index), got {layer!r}")
-    if k.ndim != 5 or v.ndim != 5 or not 0 <= layer < k.shape[0]:
-        raise ValueError(f"with layer={layer!r}, k and v must be stacked caches [L, B, K, S, D] with "
-                         f"0 <= layer < L, got shapes {k.shape} and {v.shape}")
-    return k, v, int(layer)
+                                  interpret=bool(interpret))
 
 
 def kernel_supports(q_BNHD, k_BKSD) -> bool:
-    """Whether the Pallas kernel handles these shapes and dtypes."""
+    """Whether the Triton kernel handles these shapes and dtypes."""
     head_dim = q_BNHD.shape[-1]
     return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and q_BNHD.dtype == k_BKSD.dtype
-            and any(q_BNHD.dtype == d for d in _KERNEL_DTYPES))
-
-
-def check_shapes(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale):
-    """ValueError naming the argument unless the operands fit the `tree_attention` contract."""
-    if not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a Python number, got {scale!r}")
-    if q_BNHD.ndim != 4 or k_BKSD.ndim != 4:
-        raise ValueError(f"q must be [B, N, H, D] and k [B, K, S, D], got shapes "
-                         f"{q_BNHD.shape} and {k_BKSD.shape}")
-    batch, num_q, num_heads, head_dim = q_BNHD.shape
-    if v_BKSD.shape != k_BKSD.shape or k_BKSD.shape[0] != batch or k_BKSD.shape[3] != head_dim:
-        raise ValueError(f"k and v must be [B={batch}, K, S, D={head_dim}] alike, got shapes "
-                         f"{k_BKSD.shape} and {v_BKSD.shape}")
-    if num_heads % k_BKSD.shape[1]:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads "
-                         f"({k_BKSD.shape[1]})")
-    if tuple(jnp.shape(lengths_B)) != (batch,):
-        raise ValueError(f"lengths must have shape ({batch},), got {jnp.shape(lengths_B)}")
-    if mask_BNM.ndim != 3 or mask_BNM.shape[:2] != (batch, num_q) or mask_BNM.dtype != jnp.bool_:
-        raise ValueError(f"mask must be bool [B={batch}, N={num_q}, M], got {mask_BNM.dtype} "
-                         f"{mask_BNM.shape}")
+            and any(q_BNHD.dtype == d for d in DTYPES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,23 +88,13 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(n - 1, 0).bit_length())
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _split_count(programs: int, num_slots: int, config: TreeAttentionConfig) -> int:
-    """Split-K factor: enough programs for ``config.min_programs``, chunks of at least
-    ``config.min_chunk`` slots."""
-    return max(1, min(-(-config.min_programs // programs), num_slots // config.min_chunk))
-
-
 def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig) -> _Plan:
     block_m = min(config.block_m, _pow2_at_least(rows, 16))
-    rows_pad = _round_up(rows, block_m)
+    rows_pad = round_up(rows, block_m)
     block_t = min(config.block_k, _pow2_at_least(num_new, 16))
-    splits = _split_count(batch * num_kv * (rows_pad // block_m), num_slots, config)
-    chunk = _round_up(-(-num_slots // splits), config.block_k)
-    return _Plan(block_m, rows_pad, block_t, _round_up(num_new, block_t),
+    splits = split_count(batch * num_kv * (rows_pad // block_m), num_slots, config)
+    chunk = round_up(-(-num_slots // splits), config.block_k)
+    return _Plan(block_m, rows_pad, block_t, round_up(num_new, block_t),
                  num_splits=-(-num_slots // chunk), chunk=chunk)
 
 
@@ -245,17 +169,6 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
         plt.store(l_ref.at[row_M], l_M)
 
 
-def _merge_splits(o_XJMD, m_XJM, l_XJM):
-    """Combine per-split unnormalised outputs with their running max and sum (the split axis
-    ``J`` after any leading axes ``X``): ``[*X, J, M, D] -> [*X, M, D]``."""
-    axis = m_XJM.ndim - 2
-    m_max_XM = m_XJM.max(axis=axis)
-    w_XJM = jnp.exp(m_XJM - jnp.expand_dims(m_max_XM, axis))
-    l_XM = (w_XJM * l_XJM).sum(axis=axis)
-    o_XMD = (w_XJM[..., None] * o_XJMD).sum(axis=axis)
-    return o_XMD / jnp.where(l_XM > 0, l_XM, 1.0)[..., None]
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "layer", "config", "interpret"))
 def _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, lengths_B, mask_BNM, *, scale, layer, config,
                            interpret):
@@ -298,5 +211,5 @@ def _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, lengths_B, mask_BNM, *, sca
             num_stages=config.launch_stages(plan.block_m, head_dim, q_BNHD.dtype.itemsize)),
         interpret=interpret, name="tree_attention",
     )(lengths_B, q_BRD, k_LBKSD, v_LBKSD, mask_BNM)
-    o_BRD = outs[0] if plan.num_splits == 1 else _merge_splits(*outs)
+    o_BRD = outs[0] if plan.num_splits == 1 else merge_splits(*outs)
     return o_BRD.reshape(q_BNHD.shape).astype(q_BNHD.dtype)

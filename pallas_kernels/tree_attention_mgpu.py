@@ -34,9 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.configs import MOSAIC_TREE_ATTENTION_CONFIGS, TreeAttentionConfig
-from pallas_kernels.tree_attention import (
-    _merge_splits, _round_up, _split_count, check_shapes,
-)
+from pallas_kernels.split_k import merge_splits, round_up, split_count
+from pallas_kernels.tree_attention_reference import check_shapes, stacked
 
 BLOCK = 64  # rows per program and keys per block: the wgmma M and a 128-byte bf16 row
 HEAD_DIMS = (64, 128)
@@ -46,8 +45,8 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 _NEG = -1e30
 
 
-def tree_attention_mgpu(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, interpret=False,
-                        config: TreeAttentionConfig | None = None):
+def tree_attention_mgpu(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer: int | None = None,
+                        config: TreeAttentionConfig | None = None, interpret: bool = False):
     """Masked GQA attention of N new queries over one layer's KV cache (Mosaic GPU kernel).
 
     Args:
@@ -58,13 +57,17 @@ def tree_attention_mgpu(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, i
       mask_BNM: bool ``[B, N, M]``; new slot ``lengths[b] + j`` is visible to query i iff
         ``mask[b, i, j]``; every slot ``< lengths[b]`` is visible.
       scale: softmax scale (a Python float).
-      interpret: run the kernel in the Mosaic GPU interpreter (CPU) instead of compiling it.
+      layer: with a layer index, ``k, v`` are stacked ``[L, B, K, S, D]`` caches and that layer is
+        sliced out (a copy of the layer) and attended.
       config: split-K policy and pipeline depth (``num_stages`` key buffers); default the
         Hopper entry of ``MOSAIC_TREE_ATTENTION_CONFIGS``.
+      interpret: run the kernel in the Mosaic GPU interpreter (CPU) instead of compiling it.
 
     Returns:
       ``[B, N, H, D]`` in q's dtype; softmax in float32; a query that sees no slot gets zeros.
     """
+    k_LBKSD, v_LBKSD, layer = stacked(k_BKSD, v_BKSD, layer)
+    k_BKSD, v_BKSD = k_LBKSD[layer], v_LBKSD[layer]
     check_args(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, scale)
     config = MOSAIC_TREE_ATTENTION_CONFIGS[(9, 0)] if config is None else config
     if config.block_m != BLOCK or config.block_k != BLOCK:
@@ -97,12 +100,12 @@ class _Plan:
 
 
 def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig) -> _Plan:
-    rows_pad = _round_up(rows, BLOCK)
-    window = _round_up(BLOCK - 1 + num_new, BLOCK)
+    rows_pad = round_up(rows, BLOCK)
+    window = round_up(BLOCK - 1 + num_new, BLOCK)
     # Whole blocks: every TMA copy then starts at a multiple of BLOCK (a cache whose slot count
     # is not one is copied once, padded).
-    num_slots = _round_up(max(num_slots, window), BLOCK)
-    splits = _split_count(batch * num_kv * (rows_pad // BLOCK), num_slots, config)
+    num_slots = round_up(max(num_slots, window), BLOCK)
+    splits = split_count(batch * num_kv * (rows_pad // BLOCK), num_slots, config)
     num_blocks = num_slots // BLOCK
     chunk_blocks = max(1, -(-num_blocks // splits))
     return _Plan(rows_pad, window, num_slots, chunk_blocks,
@@ -328,5 +331,5 @@ def _tree_attention_mgpu(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, 
         grid_names=("rows", "split", "batch", "kv"),
         interpret=_interpret_params() if interpret else None)
     o_BKJMD, m_BKJM, l_BKJM = kernel(lengths_B, starts_B, q_BKMD, keys, v_BKSD, bias_BRW)
-    o_BKMD = _merge_splits(o_BKJMD, m_BKJM, l_BKJM)
+    o_BKMD = merge_splits(o_BKJMD, m_BKJM, l_BKJM)
     return _unpack_output(o_BKMD, num_q, num_heads).astype(q_BNHD.dtype)

@@ -19,7 +19,8 @@ import numpy as np
 
 from ddtree_jax import engine, sharding
 from ddtree_jax.models import DFlashConfig, Qwen3Config, commit, init_cache, init_drafter, init_target, target_forward
-from ddtree_jax.models.layers import attention, attention_impl_fn
+from ddtree_jax.kernels import attention_fn
+from pallas_kernels.tree_attention_reference import tree_attention_reference as attention
 from ddtree_jax.tree import build_tree, tree_attention_mask, tree_positions
 
 # a: kv heads divisible by 8 (cache over heads), untied head, vocab divisible by 8.
@@ -152,7 +153,7 @@ def run_case(model: str, mesh, attention_impl: str = "xla") -> dict:
 
 
 def attention_errors() -> list[float]:
-    """Largest difference between the interpreted kernel inside `sharding.shard_attention` and the
+    """Largest difference between the interpreted kernel inside `kernels.shard_attention` and the
     unsharded XLA `attention`, per `ATTENTION_SHAPES` entry (random fp32 operands)."""
     errors = []
     for num_heads, num_kv, tp, dp, split_heads in ATTENTION_SHAPES:
@@ -162,7 +163,7 @@ def attention_errors() -> list[float]:
         k, v = (jax.random.normal(key, (batch, num_kv, slots, head_dim)) for key in (k2, k3))
         lengths = jnp.asarray([3, 0, 10, 7], jnp.int32)
         mask = jax.random.bernoulli(k4, 0.5, (batch, num_q, num_q)) | jnp.eye(num_q, dtype=bool)
-        kernel = attention_impl_fn("interpret", sharding.make_mesh(tp, dp), split_heads=split_heads)
+        kernel = attention_fn("interpret", sharding.make_mesh(tp, dp), split_heads=split_heads)
         out = jax.jit(functools.partial(kernel, scale=0.25))(q, k, v, lengths, mask)
         errors.append(float(jnp.abs(out - attention(q, k, v, lengths, mask, scale=0.25)).max()))
     return errors

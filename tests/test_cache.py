@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.models import KVCache, attention, check_capacity, commit, init_cache
+from ddtree_jax.models import KVCache, check_capacity, commit, init_cache
 from ddtree_jax.models.cache import write_scratch
+from pallas_kernels.tree_attention_reference import tree_attention_reference as attention
 
 
 def filled_cache(rng, lengths, max_len=10):

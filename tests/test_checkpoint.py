@@ -47,7 +47,7 @@ def test_round_trips_are_identical(tmp_path, dtype, shard):
     assert_same(load_drafter(tmp_path / "d"), drafter)
     sharded = (tmp_path / "d" / "model.safetensors.index.json").exists()
     assert sharded == (shard is not None) and len(list((tmp_path / "d").glob("*.safetensors"))) > int(sharded)
-    assert load_drafter(tmp_path / "d", dtype=jnp.float32).params["fc"].dtype == jnp.float32
+    assert load_drafter(tmp_path / "d", dtype=jnp.float32).params.fc.dtype == jnp.float32
 
 
 def test_file_layout_uses_hf_names(tmp_path):
@@ -72,7 +72,7 @@ def test_loads_transformers_sharded_checkpoint(tmp_path):
     model.save_pretrained(tmp_path / "sharded", max_shard_size="4KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     assert_same(load_target(tmp_path / "sharded"), load_target(tmp_path / "single"))
-    w = load_target(tmp_path / "single").params["layers"][1]["wqkv"]
+    w = load_target(tmp_path / "single").params.layers[1].wqkv
     np.testing.assert_array_equal(w[:, 16:24], model.model.layers[1].self_attn.k_proj.weight.detach().numpy().T)
 
 
@@ -121,5 +121,5 @@ def test_tied_checkpoint_with_a_stored_lm_head_loads_without_it(tmp_path):
     save_target(tmp_path, target)
     corrupt(tmp_path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"]}))
     loaded = load_target(tmp_path)
-    assert "lm_head" not in loaded.params
+    assert loaded.params.lm_head is None
     assert_same(loaded, target)

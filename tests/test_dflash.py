@@ -194,7 +194,7 @@ def test_drafter_bad_inputs():
         drafter_forward(drafter, target, init_cache(3, 1, 1, 12, 8, jnp.float32), **args)
     other_cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=3,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    with pytest.raises(ValueError, match="does not fit the target"):
+    with pytest.raises(ValueError, match="does not match the target"):
         drafter_logits(drafter, init_target(other_cfg, jax.random.key(0), jnp.float32), jnp.zeros((1, 3), jnp.int32))
     with pytest.raises(ValueError, match="mask_BQK"):
         drafter_hidden(drafter, target, taps, args["ctx_positions_BC"], jnp.zeros((1, BLOCK), jnp.int32),

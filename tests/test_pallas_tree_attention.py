@@ -1,5 +1,6 @@
 """Tree-attention kernel vs the jnp reference (interpret mode on CPU) and its Triton lowering."""
 
+import functools
 import sys
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import pytest
 from pallas_kernels import configs
 from pallas_kernels.configs import TreeAttentionConfig
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.reference import tree_attention_reference
+from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_attention import _plan, _tree_attention_pallas, tree_attention
+from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 
 # Small tiles so that CPU-sized problems exercise several splits, row blocks and tree blocks.
 SMALL = TreeAttentionConfig(block_m=16, block_k=16, min_programs=64, min_chunk=16)
@@ -76,35 +78,48 @@ def test_interpret_matches_reference(seed, config):
                        kv_heads=kv_heads, head_dim=head_dim, slots=slots, lengths=lengths,
                        dtype=dtype, padding=padding)
     scale = head_dim ** -0.5
-    out = tree_attention(*args, scale=scale, backend="interpret", config=config)
+    out = tree_attention(*args, scale=scale, interpret=True, config=config)
     assert_close(out, tree_attention_reference(*args, scale=scale), dtype)
 
 
 def test_more_new_keys_than_queries_and_under_jit():
     args = make_inputs(7, batch=2, num_q=3, heads=4, kv_heads=2, head_dim=16, slots=64,
                        lengths=[20, 50], dtype=jnp.float32, num_new=11)
-    fn = jax.jit(lambda *a: tree_attention(*a, scale=0.3, backend="interpret", config=SMALL))
+    fn = jax.jit(lambda *a: tree_attention(*a, scale=0.3, interpret=True, config=SMALL))
     assert_close(fn(*args), tree_attention_reference(*args, scale=0.3), jnp.float32)
 
 
-@pytest.mark.parametrize("backend", ["interpret", "xla"])
-def test_layer_of_a_stacked_cache_equals_that_layer_alone(backend):
+@pytest.mark.parametrize("attend", [
+    functools.partial(tree_attention, interpret=True, config=SMALL),
+    functools.partial(tree_attention_mgpu, interpret=True),
+], ids=["triton", "mosaic"])
+def test_layer_of_a_stacked_cache_equals_that_layer_alone(attend):
     """``layer=i`` over ``[L, B, K, S, D]`` caches attends layer i exactly as its slice would."""
+    dtype = jnp.float32 if attend.func is tree_attention else jnp.bfloat16
+    q, k, v, lengths, mask = make_inputs(4, batch=2, num_q=5, heads=4, kv_heads=2, head_dim=64,
+                                         slots=128, lengths=[9, 70], dtype=dtype)
+    k_L, v_L = jnp.stack([k * 0.5, k, -k]), jnp.stack([v + 1.0, v, v * 2.0])
+    for layer in range(3):
+        out = attend(q, k_L, v_L, lengths, mask, scale=0.3, layer=layer)
+        alone = attend(q, k_L[layer], v_L[layer], lengths, mask, scale=0.3)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+    with pytest.raises(ValueError, match="layer=3"):
+        attend(q, k_L, v_L, lengths, mask, scale=0.3, layer=3)
+    with pytest.raises(ValueError, match="layer=0"):
+        attend(q, k, v, lengths, mask, scale=0.3, layer=0)
+    with pytest.raises(ValueError, match="layer must be an int"):
+        attend(q, k_L, v_L, lengths, mask, scale=0.3, layer=jnp.int32(1))
+    out = attend(q, k_L, v_L, lengths, mask, scale=0.3, layer=np.int64(2))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+
+
+def test_layer_of_a_stacked_cache_in_the_reference():
     q, k, v, lengths, mask = make_inputs(4, batch=2, num_q=5, heads=4, kv_heads=2, head_dim=16,
                                          slots=48, lengths=[9, 30], dtype=jnp.float32)
     k_L, v_L = jnp.stack([k * 0.5, k, -k]), jnp.stack([v + 1.0, v, v * 2.0])
-    for layer in range(3):
-        out = tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=layer, backend=backend, config=SMALL)
-        alone = tree_attention(q, k_L[layer], v_L[layer], lengths, mask, scale=0.3, backend=backend, config=SMALL)
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
-    with pytest.raises(ValueError, match="layer=3"):
-        tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=3, backend=backend)
-    with pytest.raises(ValueError, match="layer=0"):
-        tree_attention(q, k, v, lengths, mask, scale=0.3, layer=0, backend=backend)
-    with pytest.raises(ValueError, match="layer must be an int"):
-        tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=jnp.int32(1), backend=backend)
-    out = tree_attention(q, k_L, v_L, lengths, mask, scale=0.3, layer=np.int64(2), backend=backend, config=SMALL)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+    out = tree_attention_reference(q, k_L, v_L, lengths, mask, scale=0.3, layer=1)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(tree_attention_reference(q, k, v, lengths, mask,
+                                                                                        scale=0.3)))
 
 
 def test_gpu_equality_script_attention_checks_run_interpreted():
@@ -122,10 +137,10 @@ def test_stale_cache_slots_are_ignored():
     """Slots past ``lengths + M`` must not change the output."""
     q, k, v, lengths, mask = make_inputs(3, batch=2, num_q=6, heads=2, kv_heads=1, head_dim=16,
                                          slots=96, lengths=[30, 70], dtype=jnp.float32)
-    base = tree_attention(q, k, v, lengths, mask, scale=0.25, backend="interpret", config=SMALL)
+    base = tree_attention(q, k, v, lengths, mask, scale=0.25, interpret=True, config=SMALL)
     stale = jnp.arange(96)[None, None, :, None] >= lengths[:, None, None, None] + 6
     k2, v2 = jnp.where(stale, 1e4, k), jnp.where(stale, -1e4, v)
-    out = tree_attention(q, k2, v2, lengths, mask, scale=0.25, backend="interpret", config=SMALL)
+    out = tree_attention(q, k2, v2, lengths, mask, scale=0.25, interpret=True, config=SMALL)
     np.testing.assert_allclose(np.asarray(out), np.asarray(base), atol=2e-5)
 
 
@@ -133,7 +148,7 @@ def test_query_seeing_nothing_gets_zeros():
     q, k, v, _, mask = make_inputs(5, batch=1, num_q=4, heads=2, kv_heads=2, head_dim=16,
                                    slots=32, lengths=[0], dtype=jnp.float32)
     mask = mask.at[0, 2, :].set(False)
-    out = tree_attention(q, k, v, jnp.zeros(1, jnp.int32), mask, scale=0.25, backend="interpret",
+    out = tree_attention(q, k, v, jnp.zeros(1, jnp.int32), mask, scale=0.25, interpret=True,
                          config=SMALL)
     ref = tree_attention_reference(q, k, v, jnp.zeros(1, jnp.int32), mask, scale=0.25)
     np.testing.assert_array_equal(np.asarray(out[0, 2]), 0.0)
@@ -141,17 +156,9 @@ def test_query_seeing_nothing_gets_zeros():
                                atol=2e-5)
 
 
-def test_auto_is_xla_on_cpu():
-    args = make_inputs(1, batch=1, num_q=4, heads=2, kv_heads=1, head_dim=24, slots=20,
-                       lengths=[8], dtype=jnp.float32)
-    out = tree_attention(*args, scale=0.2)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(tree_attention_reference(*args, scale=0.2)))
-
-
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(backend="cuda"), "backend"),
     (dict(scale=jnp.float32(0.1)), "scale"),
-    (dict(head_dim=24, backend="interpret"), "head_dim"),
+    (dict(head_dim=24, interpret=True), "head_dim"),
     (dict(heads=3), "multiple of kv heads"),
     (dict(lengths=[1, 2]), "lengths"),
 ])
@@ -243,7 +250,7 @@ def test_benchmark_times_every_implementation_in_each_round():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from experiments.bench_kernels import bench_attention
 
-    impls = {"pallas": lambda *a: tree_attention(*a, scale=0.1, backend="interpret", config=SMALL),
+    impls = {"pallas": lambda *a: tree_attention(*a, scale=0.1, interpret=True, config=SMALL),
              "xla": lambda *a: tree_attention_reference(*a, scale=0.1)}
     [row] = bench_attention([(1, 4, 16)], impls, peak_gbs=1.0, budget_s=60.0, report=lambda r: None,
                             chain=2, repeats=3)

@@ -1,7 +1,5 @@
 """Mosaic GPU tree-attention kernel vs the jnp reference, in the Mosaic GPU interpreter (CPU)."""
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,15 +7,13 @@ import pytest
 
 from pallas_kernels import configs
 from pallas_kernels.configs import TreeAttentionConfig
-from pallas_kernels.reference import tree_attention_reference
-from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_attention_mgpu import BLOCK, _plan, _tree_attention_mgpu, tree_attention_mgpu
 from test_pallas_tree_attention import make_inputs
 
 # Splits the prefix of CPU-sized caches into 64-slot chunks, so that several splits, the
 # residual merge and splits past a request's length are exercised.
 SPLIT = TreeAttentionConfig(block_m=64, block_k=64, min_programs=64, min_chunk=64)
-tree_attention_module = importlib.import_module("pallas_kernels.tree_attention")
 HOPPER = configs.MOSAIC_TREE_ATTENTION_CONFIGS[(9, 0)]
 TOL = 3e-2  # a few bf16 ulps of outputs of size ~1; a wrong mask is off by 0.1 or more
 
@@ -51,11 +47,10 @@ def test_interpret_matches_reference(case):
     assert_close(out, tree_attention_reference(*args, scale=scale), dtype)
 
 
-def test_backend_dispatch_under_jit_with_more_new_keys_than_queries():
+def test_under_jit_with_more_new_keys_than_queries():
     args = make_inputs(4, batch=2, num_q=3, heads=4, kv_heads=2, head_dim=64, slots=160,
                        lengths=[70, 130], dtype=jnp.bfloat16, num_new=11)
-    fn = jax.jit(lambda *a: tree_attention(*a, scale=0.1, backend="mosaic_interpret",
-                                           config=SPLIT))
+    fn = jax.jit(lambda *a: tree_attention_mgpu(*a, scale=0.1, interpret=True, config=SPLIT))
     assert_close(fn(*args), tree_attention_reference(*args, scale=0.1), jnp.bfloat16)
 
 
@@ -125,11 +120,5 @@ def test_plan_covers_the_cache(batch, rows, num_new, slots):
     assert plan.num_slots >= max(slots, plan.window) and plan.window >= BLOCK - 1 + num_new
 
 
-def test_mosaic_config_is_unmeasured_and_auto_never_picks_it(monkeypatch):
+def test_mosaic_config_is_unmeasured():
     assert not HOPPER.measured and (HOPPER.block_m, HOPPER.block_k) == (BLOCK, BLOCK)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(tree_attention_module, "device_capability", lambda: (9, 0))
-    monkeypatch.setattr(tree_attention_module, "_tree_attention_pallas", lambda *a, **kw: "triton")
-    args = make_inputs(1, batch=1, num_q=4, heads=2, kv_heads=1, head_dim=64, slots=80,
-                       lengths=[8], dtype=jnp.bfloat16)
-    assert tree_attention(*args, scale=0.2) == "triton"

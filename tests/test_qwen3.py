@@ -75,7 +75,7 @@ def test_prefill_decode_taps_match_transformers(tmp_path, tied, kv_heads, head_d
     model = hf_model(tied=tied, kv_heads=kv_heads, head_dim=head_dim)
     model.save_pretrained(tmp_path)
     target = load_target(tmp_path)
-    assert target.params["embed"].dtype == jnp.float32 and ("lm_head" in target.params) == (not tied)
+    assert target.params.embed.dtype == jnp.float32 and (target.params.lm_head is None) == tied
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, VOCAB, 5), rng.integers(0, VOCAB, 8)]
     next_tokens = rng.integers(0, VOCAB, 2)

@@ -10,7 +10,7 @@ from ddtree_jax.models.dflash import (
     drafter_logits,
     init_drafter,
 )
-from ddtree_jax.models.layers import attention
+from ddtree_jax.models.params import DecoderLayer, DrafterParams, Model, TargetParams
 from ddtree_jax.models.qwen3 import (
     Qwen3Config,
     Target,
@@ -22,11 +22,14 @@ from ddtree_jax.models.qwen3 import (
 
 __all__ = [
     "DFlashConfig",
+    "DecoderLayer",
     "Drafter",
+    "DrafterParams",
     "KVCache",
+    "Model",
     "Qwen3Config",
     "Target",
-    "attention",
+    "TargetParams",
     "check_capacity",
     "commit",
     "drafter_forward",

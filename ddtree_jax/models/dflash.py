@@ -1,8 +1,9 @@
-"""DFlash block-diffusion drafter conditioned on target hidden features (see DFLASH.md).
+"""DFlash block-diffusion drafter conditioned on target hidden features (docs/design.md, "The
+DFlash drafter").
 
-Params (``x @ W`` orientation): ``fc [len(target_layer_ids) * D, D]``, ``hidden_norm [D]``,
-``layers`` (Qwen3 decoder layers, see `layers.py`), ``final_norm [D]``. The drafter has no
-embedding or LM head: it uses the target's. Context tokens contribute keys and values only:
+Params: `params.DrafterParams` (``fc [len(target_layer_ids) * D, D]``, ``hidden_norm [D]``,
+Qwen3 decoder ``layers``, ``final_norm [D]``). The drafter has no embedding or LM head: it uses
+the target's. Context tokens contribute keys and values only:
 their feature ``hidden_norm(taps @ fc)`` goes through each layer's ``k_proj`` (+ ``k_norm`` and
 RoPE at the token's position) and ``v_proj``; block tokens attend to them and to each other.
 """
@@ -17,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import kernels
 from ddtree_jax.models import layers as L
 from ddtree_jax.models.cache import KVCache, check_cache_shape, write_scratch
+from ddtree_jax.models.params import DrafterParams, Model
 from ddtree_jax.models.qwen3 import (
     Target,
     check_token_ids,
@@ -27,6 +30,7 @@ from ddtree_jax.models.qwen3 import (
     project_vocab,
     target_forward_nocache,
 )
+from ddtree_jax.sharding import check_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,41 +98,30 @@ class DFlashConfig:
         return hf
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])
-@dataclasses.dataclass
-class Drafter:
-    """A DFlash drafter: static ``config`` and a ``params`` pytree (see module docstring)."""
-
-    config: DFlashConfig
-    params: dict[str, Any]
-
-    @property
-    def dtype(self):
-        return self.params["fc"].dtype
+Drafter = Model[DFlashConfig, DrafterParams]
 
 
 def init_drafter(config: DFlashConfig, key, dtype=jnp.bfloat16, *, std=0.02) -> Drafter:
     """Random params: normal(0, std) matrices, norm weights near 1."""
     key_fc, key_hn, key_fn, *layer_keys = jax.random.split(key, 3 + config.num_hidden_layers)
     d = config.hidden_size
-    params = {
-        "fc": (std * jax.random.normal(key_fc, (config.num_features, d))).astype(dtype),
-        "hidden_norm": (1.0 + 0.1 * jax.random.normal(key_hn, (d,))).astype(dtype),
-        "layers": [L.init_layer(k, L.layer_shape(config), dtype, std) for k in layer_keys],
-        "final_norm": (1.0 + 0.1 * jax.random.normal(key_fn, (d,))).astype(dtype),
-    }
+    params = DrafterParams(
+        fc=L.random_matrix(key_fc, (config.num_features, d), dtype, std),
+        hidden_norm=L.random_norm(key_hn, d, dtype),
+        layers=[L.init_layer(k, L.layer_shape(config), dtype, std) for k in layer_keys],
+        final_norm=L.random_norm(key_fn, d, dtype))
     return Drafter(config=config, params=params)
 
 
 def context_features(drafter: Drafter, ctx_feats_BCF):
     """``hidden_norm(taps @ fc)``: one ``[D]`` feature per context token, ``[B, C, D]``."""
-    feat_BCD = L.matmul(ctx_feats_BCF.astype(drafter.dtype), drafter.params["fc"])
-    return L.rms_norm(feat_BCD, drafter.params["hidden_norm"], drafter.config.rms_norm_eps)
+    feat_BCD = L.matmul(ctx_feats_BCF.astype(drafter.dtype), drafter.params.fc)
+    return L.rms_norm(feat_BCD, drafter.params.hidden_norm, drafter.config.rms_norm_eps)
 
 
 def drafter_head(drafter: Drafter, target: Target, hidden_BQD):
     """Drafter final norm then the target's LM head: float32 logits ``[B, Q, V]``."""
-    h_BQD = L.rms_norm(hidden_BQD, drafter.params["final_norm"], drafter.config.rms_norm_eps)
+    h_BQD = L.rms_norm(hidden_BQD, drafter.params.final_norm, drafter.config.rms_norm_eps)
     return project_vocab(target, h_BQD.astype(target.dtype))
 
 
@@ -139,8 +132,8 @@ def _block_tokens(cfg: DFlashConfig, root_tokens_B):
 
 
 def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state):
-    x_BQD = target.params["embed"][block_tokens_BQ].astype(drafter.dtype)
-    x_BQD, _, state = L.run_decoder(drafter.params["layers"], L.layer_shape(drafter.config), x_BQD,
+    x_BQD = target.params.embed[block_tokens_BQ].astype(drafter.dtype)
+    x_BQD, _, state = L.run_decoder(drafter.params.layers, L.layer_shape(drafter.config), x_BQD,
                                     block_positions_BQ, attend, state)
     return x_BQD, state
 
@@ -150,12 +143,13 @@ def _drafter_hidden(drafter, target, ctx_feats_BCF, ctx_positions_BC, block_toke
     shape = L.layer_shape(drafter.config)
     feat_BCD = context_features(drafter, ctx_feats_BCF)
     no_prefix_B = jnp.zeros(block_tokens_BQ.shape[:1], jnp.int32)
+    attention = kernels.attention_fn("xla")
 
     def attend(i, q_BQHD, k_BQKD, v_BQKD, state):
-        ctx_k_BCKD, ctx_v_BCKD = L.key_value(drafter.params["layers"][i], feat_BCD, ctx_positions_BC, shape)
+        ctx_k_BCKD, ctx_v_BCKD = L.key_value(drafter.params.layers[i], feat_BCD, ctx_positions_BC, shape)
         k_BKSD = jnp.concatenate([ctx_k_BCKD, k_BQKD], axis=1).transpose(0, 2, 1, 3)
         v_BKSD = jnp.concatenate([ctx_v_BCKD, v_BQKD], axis=1).transpose(0, 2, 1, 3)
-        return L.attention(q_BQHD, k_BKSD, v_BKSD, no_prefix_B, mask_BQK, scale=shape.head_dim ** -0.5), state
+        return attention(q_BQHD, k_BKSD, v_BKSD, no_prefix_B, mask_BQK, scale=shape.head_dim ** -0.5), state
 
     return _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, None)[0]
 
@@ -170,7 +164,7 @@ def drafter_hidden(drafter: Drafter, target: Target, ctx_feats_BCF, ctx_position
     slot q' iff ``mask[b, q, C + q']``. Returns the last layer's hidden ``[B, Q, D]``
     (before the final norm; see `drafter_head`).
     """
-    _check_pair(drafter, target)
+    check_pair(drafter, target)
     batch, num_ctx = _check_context(drafter, ctx_feats_BCF, ctx_positions_BC)
     if np.ndim(block_tokens_BQ) != 2 or np.shape(block_tokens_BQ)[0] != batch:
         raise ValueError(f"block_tokens_BQ must have shape [{batch}, Q], got {np.shape(block_tokens_BQ)}")
@@ -192,7 +186,7 @@ def append_context(drafter: Drafter, cache: KVCache, ctx_feats_BCF, ctx_position
     shape = L.layer_shape(drafter.config)
     feat_BCD = context_features(drafter, ctx_feats_BCF)
     k_LBKSD, v_LBKSD = cache.k, cache.v
-    for i, layer in enumerate(drafter.params["layers"]):
+    for i, layer in enumerate(drafter.params.layers):
         k_BCKD, v_BCKD = L.key_value(layer, feat_BCD, ctx_positions_BC, shape)
         k_LBKSD = write_scratch(k_LBKSD, i, k_BCKD, cache.lengths)
         v_LBKSD = write_scratch(v_LBKSD, i, v_BCKD, cache.lengths)
@@ -227,17 +221,15 @@ def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_
     Returns ``draft_logits [B, block_size - 1, V]`` float32 (slot k predicts position
     ``root_position + k``) and the cache. Needs ``lengths + C`` and
     ``lengths + ctx_count + block_size`` within ``max_len`` (see `check_capacity`).
-    ``attention_impl``: ``"xla" | "pallas" | "auto" | "interpret"`` (see `layers.attention_impl_fn`).
+    ``attention_impl``: one of `kernels.IMPLS` (see `ddtree_jax.kernels`).
     ``mesh``: the ``("dp", "tp")`` mesh the drafter (replicated) and its cache (batch over ``"dp"``)
     are placed on, for the kernels to run per device inside ``shard_map`` with whole heads
     (static; ``None``: one device).
     """
-    _check_pair(drafter, target)
-    L.attention_impl_fn(attention_impl)
+    check_pair(drafter, target)
+    kernels.check_impl("attention_impl", attention_impl)
     batch, _ = _check_context(drafter, ctx_feats_BCF, ctx_positions_BC)
     if mesh is not None:
-        from ddtree_jax.sharding import check_mesh  # the sharding rules import this module
-
         check_mesh(mesh, None, batch)
     _check_int("ctx_count_B", ctx_count_B, (batch,))
     check_token_ids("root_tokens_B", root_tokens_B, target.config.vocab_size)
@@ -258,7 +250,7 @@ def drafter_logits(drafter: Drafter, target: Target, token_ids_BT):
     the last token at position T - 1; the block sees all context and itself.
     """
     cfg = drafter.config
-    _check_pair(drafter, target)
+    check_pair(drafter, target)
     _, taps_BTF = target_forward_nocache(target, token_ids_BT, tap_layers=cfg.target_layer_ids)
     batch, num = np.shape(token_ids_BT)
     block_tokens_BQ = _block_tokens(cfg, jnp.asarray(token_ids_BT)[:, -1])
@@ -270,11 +262,13 @@ def drafter_logits(drafter: Drafter, target: Target, token_ids_BT):
     return drafter_head(drafter, target, hidden_BQD[:, 1:])
 
 
-def _check_pair(drafter: Drafter, target: Target):
+def check_pair(drafter: Drafter, target: Target):
+    """``ValueError`` unless the drafter fits the target: same hidden size and vocabulary, and its
+    ``num_target_layers`` is the target's depth."""
     d, t = drafter.config, target.config
     if d.hidden_size != t.hidden_size or d.vocab_size != t.vocab_size or d.num_target_layers != t.num_hidden_layers:
         raise ValueError(f"drafter (hidden_size={d.hidden_size}, vocab_size={d.vocab_size}, num_target_layers="
-                         f"{d.num_target_layers}) does not fit the target (hidden_size={t.hidden_size}, "
+                         f"{d.num_target_layers}) does not match the target (hidden_size={t.hidden_size}, "
                          f"vocab_size={t.vocab_size}, num_hidden_layers={t.num_hidden_layers})")
 
 

@@ -1,22 +1,21 @@
 """Building blocks shared by the Qwen3 target and the DFlash drafter.
 
-Conventions: weights are in ``x @ W`` orientation; per-layer params are a dict with
-``input_norm [D]``, ``wqkv [D, (Hq + 2 Hkv) Dh]`` (q, k, v columns in that order, head-major),
-``q_norm [Dh]``, ``k_norm [Dh]``, ``wo [Hq Dh, D]``, ``post_norm [D]``,
-``w_gate_up [D, 2 I]`` (gate columns first) and ``w_down [I, D]``. Norms, RoPE and softmax
-run in float32; matmuls accumulate in float32 and return the activation dtype.
+A decoder layer's weights are a `params.DecoderLayer`. Norms, RoPE and softmax run in float32;
+matmuls accumulate in float32 and return the activation dtype. Attention goes through
+`ddtree_jax.kernels`, which picks the implementation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import kernels
 from ddtree_jax.models.cache import KVCache, write_scratch
+from ddtree_jax.models.params import DecoderLayer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +63,7 @@ def rope(x_BNHD, positions_BN, theta):
     return rotated.astype(x_BNHD.dtype)
 
 
-def key_value(layer, x_BND, positions_BN, shape: LayerShape):
+def key_value(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape):
     """Keys and values of inputs ``x [B, N, D]`` from the k/v columns of ``wqkv``.
 
     Returns ``k_BNKD`` (k_norm then RoPE at ``positions``) and ``v_BNKD``. The DFlash drafter
@@ -72,102 +71,40 @@ def key_value(layer, x_BND, positions_BN, shape: LayerShape):
     """
     q_cols = shape.num_attention_heads * shape.head_dim
     kv_cols = shape.num_key_value_heads * shape.head_dim
-    kv_BNC = matmul(x_BND, layer["wqkv"][:, q_cols:])
+    kv_BNC = matmul(x_BND, layer.wqkv[:, q_cols:])
     k_BNKD = kv_BNC[..., :kv_cols].reshape(*x_BND.shape[:2], -1, shape.head_dim)
     v_BNKD = kv_BNC[..., kv_cols:].reshape(*x_BND.shape[:2], -1, shape.head_dim)
-    k_BNKD = rope(rms_norm(k_BNKD, layer["k_norm"], shape.rms_norm_eps), positions_BN, shape.rope_theta)
+    k_BNKD = rope(rms_norm(k_BNKD, layer.k_norm, shape.rms_norm_eps), positions_BN, shape.rope_theta)
     return k_BNKD, v_BNKD
 
 
-def attention_inputs(layer, x_BND, positions_BN, shape: LayerShape):
+def attention_inputs(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape):
     """Input norm and q/k/v projections of a decoder layer, with q/k RMSNorm then RoPE.
 
     Returns ``q_BNHD, k_BNKD, v_BNKD`` (H query heads, K key/value heads).
     """
-    h_BND = rms_norm(x_BND, layer["input_norm"], shape.rms_norm_eps)
+    h_BND = rms_norm(x_BND, layer.input_norm, shape.rms_norm_eps)
     q_cols = shape.num_attention_heads * shape.head_dim
-    q_BNHD = matmul(h_BND, layer["wqkv"][:, :q_cols]).reshape(*x_BND.shape[:2], -1, shape.head_dim)
-    q_BNHD = rope(rms_norm(q_BNHD, layer["q_norm"], shape.rms_norm_eps), positions_BN, shape.rope_theta)
+    q_BNHD = matmul(h_BND, layer.wqkv[:, :q_cols]).reshape(*x_BND.shape[:2], -1, shape.head_dim)
+    q_BNHD = rope(rms_norm(q_BNHD, layer.q_norm, shape.rms_norm_eps), positions_BN, shape.rope_theta)
     k_BNKD, v_BNKD = key_value(layer, h_BND, positions_BN, shape)
     return q_BNHD, k_BNKD, v_BNKD
 
 
-def layer_output(layer, x_BND, attn_BNHD, shape: LayerShape):
+def layer_output(layer: DecoderLayer, x_BND, attn_BNHD, shape: LayerShape):
     """The rest of a decoder layer after attention: output projection, residual, SwiGLU MLP."""
-    x_BND = x_BND + matmul(attn_BNHD.reshape(*x_BND.shape[:2], -1), layer["wo"])
-    h_BND = rms_norm(x_BND, layer["post_norm"], shape.rms_norm_eps)
-    gate_up_BNI = matmul(h_BND, layer["w_gate_up"])
+    x_BND = x_BND + matmul(attn_BNHD.reshape(*x_BND.shape[:2], -1), layer.wo)
+    h_BND = rms_norm(x_BND, layer.post_norm, shape.rms_norm_eps)
+    gate_up_BNI = matmul(h_BND, layer.w_gate_up)
     gate_BNI, up_BNI = jnp.split(gate_up_BNI, 2, axis=-1)
-    return x_BND + matmul(jax.nn.silu(gate_BNI) * up_BNI, layer["w_down"])
-
-
-def attention(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer=None):
-    """Masked GQA attention of N new queries over one layer's cache.
-
-    ``k_BKSD, v_BKSD`` hold S slots per request; the first ``lengths[b]`` are the committed
-    prefix, the M slots ``[lengths[b], lengths[b] + M)`` are new keys (M = N for a target
-    forward). Slot s is visible to query i iff ``s < lengths[b]`` or ``mask[b, i, s - lengths[b]]``
-    for a new slot. Query head h uses kv head ``h // (H // K)``. Softmax in float32.
-    Returns ``[B, N, H, D]`` in ``q``'s dtype. A query that sees no slot gets a finite
-    average of all slots (never NaN). With ``layer`` (an int), ``k, v`` are the stacked caches
-    ``[L, B, K, S, D]`` of all layers and layer ``layer`` is attended.
-    """
-    if layer is not None:
-        k_BKSD, v_BKSD = k_BKSD[layer], v_BKSD[layer]
-    batch, num_q, num_heads, head_dim = q_BNHD.shape
-    num_kv, num_slots = k_BKSD.shape[1], k_BKSD.shape[2]
-    q_BKGND = q_BNHD.reshape(batch, num_q, num_kv, num_heads // num_kv, head_dim).transpose(0, 2, 3, 1, 4)
-    scores_BKGNS = jnp.einsum("bkgnd,bksd->bkgns", q_BKGND, k_BKSD, preferred_element_type=jnp.float32)
-    rel_BS = jnp.arange(num_slots)[None, :] - lengths_B[:, None]
-    is_new_BS = (rel_BS >= 0) & (rel_BS < mask_BNM.shape[-1])
-    new_idx_BNS = jnp.broadcast_to(jnp.clip(rel_BS, 0, mask_BNM.shape[-1] - 1)[:, None], (batch, num_q, num_slots))
-    new_visible_BNS = jnp.take_along_axis(mask_BNM, new_idx_BNS, axis=2) & is_new_BS[:, None]
-    visible_BNS = (rel_BS < 0)[:, None] | new_visible_BNS
-    scores_BKGNS = jnp.where(visible_BNS[:, None, None], scores_BKGNS * scale, jnp.finfo(jnp.float32).min)
-    probs_BKGNS = jax.nn.softmax(scores_BKGNS, axis=-1)
-    out_BKGND = jnp.einsum("bkgns,bksd->bkgnd", probs_BKGNS.astype(v_BKSD.dtype), v_BKSD,
-                           preferred_element_type=jnp.float32)
-    return out_BKGND.transpose(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim).astype(q_BNHD.dtype)
-
-
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret")
-_KERNEL_BACKEND = {"pallas": "triton", "interpret": "interpret", "auto": "auto"}
-
-
-def attention_impl_fn(impl: str, mesh=None, *, split_heads: bool = True):
-    """The attention function behind the ``attention_impl`` switch (same signature as `attention`,
-    ``layer`` included: the kernel reads a layer of the stacked cache in place).
-
-    ``"xla"``: `attention`; ``"pallas"``: the Pallas Triton tree-attention kernel (CUDA GPUs);
-    ``"auto"``: the kernel where it runs (a CUDA GPU of compute capability >= 8.0 and a
-    power-of-two head_dim >= 16), `attention` elsewhere; ``"interpret"``: the kernel run by the
-    Pallas interpreter (any backend; slow, for tests).
-
-    With a ``("dp", "tp")`` ``mesh`` (a `jax.sharding.Mesh`), the kernel runs per device inside
-    ``shard_map`` (`ddtree_jax.sharding.shard_attention`): batch over ``"dp"`` and, with
-    ``split_heads`` (the tensor-parallel target), query heads and their KV heads over ``"tp"``;
-    without it (the replicated drafter) every ``"tp"`` device attends with all heads. ``"xla"``
-    ignores the mesh: XLA partitions `attention` itself.
-    """
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if impl == "xla":
-        return attention
-    from pallas_kernels.tree_attention import tree_attention  # the kernels import this module
-
-    kernel = functools.partial(tree_attention, backend=_KERNEL_BACKEND[impl])
-    if mesh is None:
-        return kernel
-    from ddtree_jax.sharding import shard_attention  # the sharding rules import the models
-
-    return shard_attention(kernel, mesh, split_heads=split_heads)
+    return x_BND + matmul(jax.nn.silu(gate_BNI) * up_BNI, layer.w_down)
 
 
 def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads: bool = True):
     """The `run_decoder` attention step over a `KVCache` state: write layer i's new K/V to the
     scratch slots ``[lengths, lengths + N)``, then attention (``impl``, ``mesh`` and
-    ``split_heads``: see `attention_impl_fn`) over the cache with ``mask``."""
-    attend_fn = attention_impl_fn(impl, mesh, split_heads=split_heads)
+    ``split_heads``: see `kernels.attention_fn`) over the cache with ``mask``."""
+    attend_fn = kernels.attention_fn(impl, mesh, split_heads=split_heads)
 
     def attend(i, q_BNHD, k_BNKD, v_BNKD, cache: KVCache):
         cache = KVCache(k=write_scratch(cache.k, i, k_BNKD, cache.lengths),
@@ -195,15 +132,25 @@ def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, t
     return x_BND, [taps[i] for i in tap_layers], state
 
 
-def init_layer(key, shape: LayerShape, dtype, std=0.02):
+def random_matrix(key, shape, dtype, std):
+    """A normal(0, std) weight matrix."""
+    return (std * jax.random.normal(key, shape)).astype(dtype)
+
+
+def random_norm(key, size, dtype):
+    """Norm weights near 1 (normal(1, 0.1)), so that tests see them act."""
+    return (1.0 + 0.1 * jax.random.normal(key, (size,))).astype(dtype)
+
+
+def init_layer(key, shape: LayerShape, dtype, std=0.02) -> DecoderLayer:
     """Random decoder-layer params (normal(0, std) matrices, norm weights near 1)."""
     d, dh, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
     qkv_cols = (shape.num_attention_heads + 2 * shape.num_key_value_heads) * dh
-    mats = {"wqkv": (d, qkv_cols), "wo": (shape.num_attention_heads * dh, d),
-            "w_gate_up": (d, 2 * inter), "w_down": (inter, d)}
-    norms = {"input_norm": d, "q_norm": dh, "k_norm": dh, "post_norm": d}
-    keys = jax.random.split(key, len(mats) + len(norms))
-    layer = {name: (std * jax.random.normal(k, s)).astype(dtype) for k, (name, s) in zip(keys, mats.items())}
-    layer.update({name: (1.0 + 0.1 * jax.random.normal(k, (n,))).astype(dtype)
-                  for k, (name, n) in zip(keys[len(mats):], norms.items())})
-    return layer
+    k = iter(jax.random.split(key, 8))
+    return DecoderLayer(
+        wqkv=random_matrix(next(k), (d, qkv_cols), dtype, std),
+        wo=random_matrix(next(k), (shape.num_attention_heads * dh, d), dtype, std),
+        w_gate_up=random_matrix(next(k), (d, 2 * inter), dtype, std),
+        w_down=random_matrix(next(k), (inter, d), dtype, std),
+        input_norm=random_norm(next(k), d, dtype), q_norm=random_norm(next(k), dh, dtype),
+        k_norm=random_norm(next(k), dh, dtype), post_norm=random_norm(next(k), d, dtype))

@@ -2,9 +2,8 @@
 
 One forward serves prefill, decode and tree verify: N new tokens at given positions attend to
 the request's committed cache slots and to each other through a mask ``[B, N, N]``.
-Params (``x @ W`` orientation, layers unrolled as a list):
-``embed [V, D]``, ``layers`` (see `layers.py`), ``final_norm [D]``, ``lm_head [D, V]`` (absent
-when ``tie_word_embeddings``: the head is ``embed.T``).
+Params: `params.TargetParams` (layers unrolled as a list; ``lm_head`` is ``None`` when
+``tie_word_embeddings``: the head is ``embed.T``).
 """
 
 from __future__ import annotations
@@ -17,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import checks
+from ddtree_jax import checks, kernels
 from ddtree_jax.models import layers as L
 from ddtree_jax.models.cache import KVCache, check_cache_shape
+from ddtree_jax.models.params import Model, TargetParams
+from ddtree_jax.sharding import check_mesh
 
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                 "mlp_bias": False}
@@ -99,46 +100,35 @@ def config_fields_to_hf(config):
     return {k: v for k, v in hf.items() if v is not None}
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])
-@dataclasses.dataclass
-class Target:
-    """A Qwen3 target: static ``config`` and a ``params`` pytree (see module docstring)."""
-
-    config: Qwen3Config
-    params: dict[str, Any]
-
-    @property
-    def dtype(self):
-        return self.params["embed"].dtype
+Target = Model[Qwen3Config, TargetParams]
 
 
 def init_target(config: Qwen3Config, key, dtype=jnp.bfloat16, *, std=0.02) -> Target:
     """Random params: normal(0, std) matrices, norm weights near 1."""
     shape = L.layer_shape(config)
     key_embed, key_head, key_norm, *layer_keys = jax.random.split(key, 3 + config.num_hidden_layers)
-    params = {
-        "embed": (std * jax.random.normal(key_embed, (config.vocab_size, config.hidden_size))).astype(dtype),
-        "layers": [L.init_layer(k, shape, dtype, std) for k in layer_keys],
-        "final_norm": (1.0 + 0.1 * jax.random.normal(key_norm, (config.hidden_size,))).astype(dtype),
-    }
-    if not config.tie_word_embeddings:
-        params["lm_head"] = (std * jax.random.normal(key_head, (config.hidden_size, config.vocab_size))).astype(dtype)
+    d, v = config.hidden_size, config.vocab_size
+    params = TargetParams(
+        embed=L.random_matrix(key_embed, (v, d), dtype, std),
+        layers=[L.init_layer(k, shape, dtype, std) for k in layer_keys],
+        final_norm=L.random_norm(key_norm, d, dtype),
+        lm_head=None if config.tie_word_embeddings else L.random_matrix(key_head, (d, v), dtype, std))
     return Target(config=config, params=params)
 
 
 def project_vocab(target: Target, h_BND):
     """The LM head (``lm_head``, or ``embed.T`` when tied) without the final norm: float32
     ``[B, N, V]``. The DFlash drafter applies it after its own final norm."""
-    if target.config.tie_word_embeddings:
-        return jnp.einsum("bnd,vd->bnv", h_BND, target.params["embed"], preferred_element_type=jnp.float32)
-    return jnp.matmul(h_BND, target.params["lm_head"], preferred_element_type=jnp.float32)
+    if target.params.lm_head is None:
+        return jnp.einsum("bnd,vd->bnv", h_BND, target.params.embed, preferred_element_type=jnp.float32)
+    return jnp.matmul(h_BND, target.params.lm_head, preferred_element_type=jnp.float32)
 
 
 def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers, logits_at_BK=None):
     cfg = target.config
-    x_BND, taps, state = L.run_decoder(target.params["layers"], L.layer_shape(cfg), target.params["embed"][tokens_BN],
+    x_BND, taps, state = L.run_decoder(target.params.layers, L.layer_shape(cfg), target.params.embed[tokens_BN],
                                        positions_BN, attend, state, tap_layers)
-    h_BND = L.rms_norm(x_BND, target.params["final_norm"], cfg.rms_norm_eps)
+    h_BND = L.rms_norm(x_BND, target.params.final_norm, cfg.rms_norm_eps)
     # As HF's hidden_states[id + 1], the last layer's tap is taken after the final norm.
     taps = [h_BND if i == cfg.num_hidden_layers - 1 else tap for i, tap in zip(tap_layers, taps)]
     taps_BNF = jnp.concatenate(taps, axis=-1) if taps else x_BND[..., :0]
@@ -166,17 +156,15 @@ def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVC
     so the last layer's tap is after the final norm) and the cache.
     With ``logits_at_BK`` (int ``[B, K]``, indices into the N new tokens), only those rows'
     logits are computed: ``[B, K, V]`` (e.g. the last prompt token of a long prefill).
-    ``attention_impl``: ``"xla" | "pallas" | "auto" | "interpret"`` (see `layers.attention_impl_fn`).
+    ``attention_impl``: one of `kernels.IMPLS` (see `ddtree_jax.kernels`).
     ``mesh``: the ``("dp", "tp")`` mesh the target and cache are placed on (`ddtree_jax.sharding`),
     for the kernels to run per device inside ``shard_map`` (static; ``None``: one device).
     """
     tap_layers = _check_taps(target.config, tap_layers)
-    L.attention_impl_fn(attention_impl)
+    kernels.check_impl("attention_impl", attention_impl)
     _check_tokens(target.config, tokens_BN, positions_BN, mask_BNN)
     cfg = target.config
     if mesh is not None:
-        from ddtree_jax.sharding import check_mesh  # the sharding rules import this module
-
         check_mesh(mesh, cfg, np.shape(tokens_BN)[0])
     check_cache_shape(cache, num_layers=cfg.num_hidden_layers, batch=np.shape(tokens_BN)[0],
                       kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
@@ -191,8 +179,10 @@ def _target_forward_nocache(target, tokens_BN, positions_BN, mask_BNN, tap_layer
     scale = target.config.head_dim ** -0.5
     no_prefix_B = jnp.zeros(tokens_BN.shape[:1], jnp.int32)
 
+    attention = kernels.attention_fn("xla")
+
     def attend(i, q_BNHD, k_BNKD, v_BNKD, state):
-        out = L.attention(q_BNHD, k_BNKD.transpose(0, 2, 1, 3), v_BNKD.transpose(0, 2, 1, 3),
+        out = attention(q_BNHD, k_BNKD.transpose(0, 2, 1, 3), v_BNKD.transpose(0, 2, 1, 3),
                           no_prefix_B, mask_BNN, scale=scale)
         return out, state
 

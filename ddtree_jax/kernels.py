@@ -1,0 +1,137 @@
+"""Which implementation runs each hot spot of a round: the one place that chooses.
+
+Every switch (``attention_impl``, ``sampler_impl``) takes the same vocabulary, `IMPLS`:
+
+- ``"xla"``: the plain-jnp reference beside each kernel in ``pallas_kernels/``, compiled by XLA.
+  It runs on every backend and is what the kernels are checked against.
+- ``"pallas"``: the Pallas kernel (Triton lowering); needs a CUDA GPU.
+- ``"interpret"``: the same kernel run by the Pallas interpreter, on any backend (slow; tests).
+- ``"auto"``: the fastest measured choice for the device, by this table (docs/design.md gives
+  the measurements behind it):
+
+  ============  =======================================================  =========
+  hot spot      CUDA GPU of compute capability >= 8.0                     elsewhere
+  ============  =======================================================  =========
+  attention     pallas when ``head_dim`` is a power of two >= 16 and       xla
+                q/k/v share a float dtype (`tree_attention.kernel_supports`)
+  sampler       pallas without a mesh; xla under a mesh (XLA partitions    xla
+                the jnp walk; the kernel is not wrapped in ``shard_map``)
+  ============  =======================================================  =========
+
+With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
+(`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
+tables of ``pallas_kernels/configs.py``, keyed by the device's compute capability.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ddtree_jax.sharding import cache_spec, tp_size
+from pallas_kernels import configs
+from pallas_kernels.tree_attention import kernel_supports, tree_attention
+from pallas_kernels.tree_attention_reference import tree_attention_reference
+
+IMPLS = ("auto", "xla", "pallas", "interpret")
+MIN_CAPABILITY = (8, 0)
+
+
+def check_impl(name: str, impl) -> str:
+    """``impl`` if it is one of `IMPLS`, else a ``ValueError`` naming the switch ``name``."""
+    if impl not in IMPLS:
+        raise ValueError(f"{name} must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def pallas_gpu() -> bool:
+    """Whether the default backend is a CUDA GPU the Pallas kernels support (compute capability
+    >= 8.0)."""
+    return jax.default_backend() == "gpu" and configs.device_capability() >= MIN_CAPABILITY
+
+
+def _kernel_capability(impl: str) -> tuple[int, int]:
+    """The config key of a kernel call: the local GPU's capability, or the Ampere entry when the
+    kernel is interpreted."""
+    return MIN_CAPABILITY if impl == "interpret" else configs.device_capability()
+
+
+def attention_fn(impl: str, mesh: Mesh | None = None, *, split_heads: bool = True):
+    """The attention of ``impl`` (see the module docstring), with the signature of
+    ``tree_attention_reference`` (``layer`` included: the kernel reads a layer of the stacked
+    cache in place).
+
+    With a ``mesh``, the kernel runs per device inside ``shard_map`` (`shard_attention`; batch over
+    ``"dp"`` and, with ``split_heads``, query heads and their KV heads over ``"tp"``); the XLA path
+    ignores the mesh.
+    """
+    impl = check_impl("attention_impl", impl)
+    if impl == "xla" or (impl == "auto" and not pallas_gpu()):
+        return tree_attention_reference
+    config = configs.tree_attention_config(_kernel_capability(impl))
+    kernel = functools.partial(tree_attention, config=config, interpret=impl == "interpret")
+    if impl == "auto":
+        kernel = _where_supported(kernel)
+    return kernel if mesh is None else shard_attention(kernel, mesh, split_heads=split_heads)
+
+
+def _where_supported(kernel):
+    """``kernel`` for operands it supports (`kernel_supports`, decided when traced), else the
+    reference."""
+    def attend(q_BNHD, k, v, lengths_B, mask_BNM, *, scale, layer=None):
+        fn = kernel if kernel_supports(q_BNHD, k) else tree_attention_reference
+        return fn(q_BNHD, k, v, lengths_B, mask_BNM, scale=scale, layer=layer)
+    return attend
+
+
+def shard_attention(attend_fn, mesh: Mesh, *, split_heads: bool):
+    """``attend_fn`` (the signature of ``tree_attention_reference``, e.g. a Pallas kernel) run per
+    device inside ``shard_map`` over ``mesh``, for use inside jit.
+
+    Every operand is split over ``"dp"`` along its batch axis. With ``split_heads`` (the target),
+    device j of ``"tp"`` takes the query heads ``[j H/tp, (j + 1) H/tp)`` (the row block of ``wo``
+    it holds) and the KV heads they read: its own block of a cache split over KV heads by
+    `sharding.cache_spec` (block j of H/tp query heads reads exactly KV block j of K/tp heads, the
+    GQA group being H/K), else `_local_kv_heads` of the replicated cache. Without ``split_heads``
+    (the replicated drafter and its cache), heads stay whole and every ``"tp"`` device computes the
+    same output. Returns ``[B, N, H, D]`` laid out like ``q``'s in_spec.
+    """
+    tp = tp_size(mesh) if split_heads else 1
+    q_spec = P("dp", None, "tp" if split_heads else None, None)
+
+    def attend(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, layer=None):
+        num_heads, num_kv = q_BNHD.shape[2], k_BKSD.shape[-3]
+        kv_spec = cache_spec(num_kv, tp, over_heads=split_heads)
+        kv_spec = kv_spec if layer is not None else P(*kv_spec[1:])
+
+        def body(q_BNHD, k, v, lengths_B, mask_BNM):
+            if kv_spec[-3] is None and tp > 1:  # heads split, cache replicated: cut this device's heads
+                k, v = (k, v) if layer is None else (k[layer], v[layer])
+                return _local_kv_heads(functools.partial(attend_fn, scale=scale), q_BNHD, k, v, lengths_B,
+                                       mask_BNM, group=num_heads // num_kv)
+            return attend_fn(q_BNHD, k, v, lengths_B, mask_BNM, scale=scale, layer=layer)
+        # check_vma off: a pallas_call does not declare how its outputs vary over mesh axes.
+        sharded = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P("dp"), P("dp", None, None)),
+                                out_specs=q_spec, check_vma=False)
+        return sharded(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM)
+
+    return attend
+
+
+def _local_kv_heads(attend_fn, q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, group):
+    """Inside `shard_attention`, cache replicated over ``"tp"`` (``tp`` does not divide the KV
+    heads): attend with this device's ``h = H/tp`` query heads ``[j h, (j + 1) h)`` over only the KV
+    heads they read, cut from the whole cache (global query head ``q`` reads KV head ``q // group``).
+    When ``h`` divides ``group`` all of them read KV head ``j h // group``: one head is cut and GQA
+    packing is kept. Otherwise the KV head of each query head is gathered (group 1 per device).
+    """
+    local = q_BNHD.shape[2]
+    num_kv = 1 if group % local == 0 else local
+    first = jax.lax.axis_index("tp") * local
+    kv_K = (first + jnp.arange(num_kv) * (local // num_kv)) // group
+    return attend_fn(q_BNHD, jnp.take(k_BKSD, kv_K, axis=1), jnp.take(v_BKSD, kv_K, axis=1),
+                     lengths_B, mask_BNM)

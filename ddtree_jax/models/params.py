@@ -1,0 +1,86 @@
+"""Typed parameter pytrees of the models and the model container they share.
+
+Weights are in ``x @ W`` orientation (``[in, out]``); q/k/v and gate/up are fused into one matrix
+each, so a decoder layer runs two matmuls before attention and after it instead of five. Shape
+letters: D hidden, Dh head, Hq query heads, Hkv key/value heads, I MLP width, V vocabulary,
+F = (number of target taps) x D.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Generic, TypeVar
+
+import jax
+from jaxtyping import Array, Float
+
+
+def _pytree(cls):
+    """Register a frozen dataclass whose fields are all array leaves (or pytrees of them)."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    return jax.tree_util.register_dataclass(cls, data_fields=[f.name for f in dataclasses.fields(cls)],
+                                            meta_fields=[])
+
+
+@_pytree
+class DecoderLayer:
+    """One Qwen3 decoder layer (the target's and the DFlash drafter's)."""
+
+    input_norm: Float[Array, " D"]
+    wqkv: Float[Array, "D C"]  # C = (Hq + 2 Hkv) Dh: q, k, v column blocks, head-major in each
+    q_norm: Float[Array, " Dh"]
+    k_norm: Float[Array, " Dh"]
+    wo: Float[Array, "HqDh D"]
+    post_norm: Float[Array, " D"]
+    w_gate_up: Float[Array, "D I2"]  # gate columns, then up columns
+    w_down: Float[Array, "I D"]
+
+
+@_pytree
+class TargetParams:
+    """A Qwen3 target. ``lm_head`` is ``None`` when the embeddings are tied (the head is
+    ``embed.T``)."""
+
+    embed: Float[Array, "V D"]
+    layers: list[DecoderLayer]
+    final_norm: Float[Array, " D"]
+    lm_head: Float[Array, "D V"] | None
+
+    @property
+    def dtype(self):
+        return self.embed.dtype
+
+
+@_pytree
+class DrafterParams:
+    """A DFlash drafter: the projection of the target's taps to one context feature per token,
+    its decoder layers and final norm (it borrows the target's embedding and LM head)."""
+
+    fc: Float[Array, "F D"]
+    hidden_norm: Float[Array, " D"]
+    layers: list[DecoderLayer]
+    final_norm: Float[Array, " D"]
+
+    @property
+    def dtype(self):
+        return self.fc.dtype
+
+
+ConfigT = TypeVar("ConfigT")
+ParamsT = TypeVar("ParamsT")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])
+@dataclasses.dataclass(frozen=True)
+class Model(Generic[ConfigT, ParamsT]):
+    """A model: its static ``config`` (hashable, part of every jit cache key) and its ``params``
+    pytree. ``Target`` and ``Drafter`` are this container with their own config and params."""
+
+    config: ConfigT
+    params: ParamsT
+
+    @property
+    def dtype(self):
+        """The dtype of the weights."""
+        return self.params.dtype

@@ -1,0 +1,48 @@
+"""The decoder's projections in plain jnp: the contract of the skinny matmul kernel.
+
+``y = prologue(x) @ w`` with an optional RMSNorm of ``x``'s rows before the product and an
+optional SwiGLU after it. This is also the XLA path of the library: the models run it wherever no
+kernel is chosen, and ``rms_norm`` is the models' normalisation everywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last axis, computed in float32 (as HF Qwen3): ``w * x / rms(x)``, the
+    normalised ``x`` rounded to ``x``'s dtype before the weight multiplies it."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def swiglu(gate_up):
+    """``silu(gate) * up`` of ``[..., 2 I]`` ``[gate | up]`` columns: ``[..., I]``."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None):
+    """``x @ w`` accumulated in float32, with an optional prologue and epilogue.
+
+    Args:
+      x_MK: ``[M, K]`` activations.
+      w_KN: ``[K, N]`` weight (``x @ W`` orientation).
+      norm_K: optional ``[K]`` RMSNorm weight: the product is ``rms_norm(x, norm_K, eps) @ w``.
+      eps: the RMSNorm epsilon.
+      gated: ``w``'s columns are ``[gate | up]`` halves; returns ``swiglu`` of the product,
+        ``[M, N / 2]``.
+      out_dtype: the result's dtype (default ``x``'s); the product is rounded to it before the
+        SwiGLU.
+
+    Returns:
+      ``[M, N]`` (``[M, N / 2]`` when ``gated``).
+    """
+    out_dtype = x_MK.dtype if out_dtype is None else out_dtype
+    if norm_K is not None:
+        x_MK = rms_norm(x_MK, norm_K, eps)
+    y_MN = jnp.matmul(x_MK, w_KN, preferred_element_type=jnp.float32).astype(out_dtype)
+    return swiglu(y_MN) if gated else y_MN

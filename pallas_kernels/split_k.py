@@ -1,0 +1,33 @@
+"""Split-K over a KV-cache prefix, shared by the attention kernels.
+
+The prefix is cut into static chunks, one program each, so that a small batch still fills the
+GPU; each program returns its unnormalised output with its running softmax max and sum, and
+`merge_splits` combines them (flash-decoding style).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.configs import TreeAttentionConfig
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def split_count(programs: int, num_slots: int, config: TreeAttentionConfig) -> int:
+    """Split-K factor: enough programs for ``config.min_programs``, chunks of at least
+    ``config.min_chunk`` slots."""
+    return max(1, min(-(-config.min_programs // programs), num_slots // config.min_chunk))
+
+
+def merge_splits(o_XJMD, m_XJM, l_XJM):
+    """Combine per-split unnormalised outputs with their running max and sum (the split axis
+    ``J`` after any leading axes ``X``): ``[*X, J, M, D] -> [*X, M, D]``."""
+    axis = m_XJM.ndim - 2
+    m_max_XM = m_XJM.max(axis=axis)
+    w_XJM = jnp.exp(m_XJM - jnp.expand_dims(m_max_XM, axis))
+    l_XM = (w_XJM * l_XJM).sum(axis=axis)
+    o_XMD = (w_XJM[..., None] * o_XJMD).sum(axis=axis)
+    return o_XMD / jnp.where(l_XM > 0, l_XM, 1.0)[..., None]

@@ -1,0 +1,67 @@
+"""The dispatch module: which implementation each switch picks, on the CPU and on a (pretended) GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax import kernels
+from pallas_kernels import configs
+from pallas_kernels.tree_attention_reference import tree_attention_reference
+from test_pallas_tree_attention import make_inputs
+
+
+def _args(head_dim=16, dtype=jnp.float32):
+    return make_inputs(1, batch=1, num_q=4, heads=2, kv_heads=1, head_dim=head_dim, slots=20, lengths=[8],
+                       dtype=dtype)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Pretend to be on an sm_90 GPU; the Triton kernel records its config instead of running."""
+    calls = []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
+
+    def fake_kernel(*args, config=None, interpret=False, **kw):
+        calls.append((config, interpret))
+        return "triton"
+
+    monkeypatch.setattr(kernels, "tree_attention", fake_kernel)
+    return calls
+
+
+def test_auto_attention_is_the_reference_on_cpu():
+    assert kernels.attention_fn("auto") is tree_attention_reference
+    assert kernels.attention_fn("xla") is tree_attention_reference
+    assert not kernels.pallas_gpu()
+
+
+def test_auto_attention_on_hopper_is_the_triton_kernel_with_the_sm90_config(hopper):
+    assert kernels.pallas_gpu()
+    assert kernels.attention_fn("auto")(*_args(), scale=0.2) == "triton"
+    assert hopper == [(configs.TREE_ATTENTION_CONFIGS[(9, 0)], False)]
+
+
+def test_auto_attention_falls_back_where_the_kernel_does_not_apply(hopper):
+    args = _args(head_dim=24)
+    out = kernels.attention_fn("auto")(*args, scale=0.2)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(tree_attention_reference(*args, scale=0.2)))
+    assert hopper == []
+
+
+def test_interpret_uses_the_portable_config(hopper):
+    assert kernels.attention_fn("interpret")(*_args(), scale=0.2) == "triton"
+    assert hopper == [(configs.TREE_ATTENTION_CONFIGS[(8, 0)], True)]
+
+
+def test_interpreted_kernel_equals_the_reference():
+    args = _args()
+    out = kernels.attention_fn("interpret")(*args, scale=0.2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(tree_attention_reference(*args, scale=0.2)), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["cuda", "triton", "", None])
+def test_unknown_impl_names_the_switch(impl):
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        kernels.attention_fn(impl)
