@@ -53,6 +53,7 @@ class RoundSpec:
     tap_layers: tuple[int, ...]
     attention_impl: str = "xla"  # one of kernels.IMPLS
     sampler_impl: str = "xla"  # "xla" (verify_from_coins) | "pallas" (pallas_kernels.tree_sample) | "auto" (_sampler)
+    matmul_impl: str = "xla"  # one of kernels.IMPLS
 
     @property
     def num_nodes(self) -> int:
@@ -176,7 +177,7 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
     ctx_positions = (lengths - state.ctx_count)[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     draft_logits, drafter_cache = drafter_forward(
         drafter, target, state.drafter_cache, state.ctx_feats, ctx_positions, state.ctx_count,
-        state.root, lengths, attention_impl=spec.attention_impl, mesh=mesh)
+        state.root, lengths, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
     draft_logits = sharding.gather_vocab(draft_logits, mesh)
     tree = build_tree_unchecked(draft_logits, state.root, draft_temperature, budget=spec.budget, topk_cap=spec.topk_cap)
     return tree, drafter_cache
@@ -215,7 +216,7 @@ def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sa
     lengths = state.target_cache.lengths
     logits, taps, target_cache = target_forward(
         target, tree.tokens, tree_positions(tree, lengths), tree_attention_mask(tree), state.target_cache,
-        tap_layers=spec.tap_layers, attention_impl=spec.attention_impl, mesh=mesh)
+        tap_layers=spec.tap_layers, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
     logits = sharding.gather_vocab(logits, mesh)
     keys = request_keys(key, request_ids, state.round)
     coins, final_coins = coins_from_keys(keys, spec.num_nodes)
@@ -251,7 +252,7 @@ def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *,
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
     _, taps, cache = target_forward(target, prompt_BT, positions, causal, cache, tap_layers=spec.tap_layers,
-                                    attention_impl=spec.attention_impl, mesh=mesh)
+                                    attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
     committed = prompt_len_B - 1
     cache = commit(cache, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)), committed)
     root = prompt_BT[jnp.arange(batch), committed]
@@ -260,7 +261,8 @@ def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *,
         dc = drafter.config
         drafter_cache = init_cache(dc.num_hidden_layers, batch, dc.num_key_value_heads, max_len, dc.head_dim,
                                    drafter.dtype)
-        drafter_cache = append_context(drafter, drafter_cache, taps, positions, committed)
+        drafter_cache = append_context(drafter, drafter_cache, taps, positions, committed,
+                                       kernels.matmul_fn(spec.matmul_impl, mesh))
     feats = taps.shape[-1]
     state = DecodeState(
         target_cache=cache,
@@ -300,21 +302,22 @@ def _pad_prompts(prompt_ids, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     return padded, lengths
 
 
-def _resolve_impls(attention_impl: str, sampler_impl: str) -> tuple[str, str]:
+def _resolve_impls(attention_impl: str, sampler_impl: str, matmul_impl: str) -> tuple[str, str, str]:
     """Validate the kernel switches (see `ddtree_jax.kernels`)."""
     kernels.check_impl("attention_impl", attention_impl)
+    kernels.check_impl("matmul_impl", matmul_impl)
     if sampler_impl not in SAMPLER_IMPLS:
         raise ValueError(f"sampler_impl must be one of {SAMPLER_IMPLS}, got {sampler_impl!r}")
-    return attention_impl, sampler_impl
+    return attention_impl, sampler_impl, matmul_impl
 
 
 def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int, topk_cap: int | None,
-              attention_impl: str = "xla", sampler_impl: str = "xla") -> RoundSpec:
+              attention_impl: str = "xla", sampler_impl: str = "xla", matmul_impl: str = "xla") -> RoundSpec:
     """Validate the method, tree settings and kernel switches against the models; return the round's
     static spec."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    impls = _resolve_impls(attention_impl, sampler_impl)
+    impls = _resolve_impls(attention_impl, sampler_impl, matmul_impl)
     if method == "ar":
         return RoundSpec("ar", 1, None, 0, (), *impls)
     if drafter is None:
@@ -350,6 +353,7 @@ def generate(
     with_expected: bool = True,
     attention_impl: str = "auto",
     sampler_impl: str = "auto",
+    matmul_impl: str = "auto",
     on_round: Callable[[np.ndarray, np.ndarray, RoundStats], None] | None = None,
     mesh: Mesh | None = None,
 ) -> GenerateResult:
@@ -373,6 +377,9 @@ def generate(
         run by the Pallas interpreter (slow, for tests).
       sampler_impl: ``"auto" | "xla" | "pallas"``: the fused Pallas tree sampler on a supported GPU
         without a mesh (auto), the jnp sampler (elsewhere, or ``"xla"``), see `_sampler`.
+      matmul_impl: the projections (``"auto" | "xla" | "pallas" | "interpret"``): the Pallas skinny
+        matmul for the small products of decoding on a supported GPU without a mesh (auto), XLA
+        elsewhere; see `ddtree_jax.kernels`.
       on_round: called after each round with ``(tokens [B, *], num_generated [B], stats)`` (host arrays),
         e.g. to stream text.
       mesh: a ``("dp", "tp")`` device mesh (`sharding.make_mesh`): the target runs tensor-parallel over
@@ -381,7 +388,7 @@ def generate(
     Returns:
       ``GenerateResult`` (tokens ``[batch, max_new_tokens]``, ``-1`` padded; lengths; statistics).
     """
-    spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl)
+    spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl, matmul_impl)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
     checks.draft_temperature(draft_temperature)
     prompt_BT, prompt_len_B = _pad_prompts(prompt_ids, target.config.vocab_size)

@@ -1,6 +1,7 @@
 """Which implementation runs each hot spot of a round: the one place that chooses.
 
-Every switch (``attention_impl``, ``sampler_impl``) takes the same vocabulary, `IMPLS`:
+Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the same vocabulary,
+`IMPLS`:
 
 - ``"xla"``: the plain-jnp reference beside each kernel in ``pallas_kernels/``, compiled by XLA.
   It runs on every backend and is what the kernels are checked against.
@@ -14,6 +15,9 @@ Every switch (``attention_impl``, ``sampler_impl``) takes the same vocabulary, `
   ============  =======================================================  =========
   attention     pallas when ``head_dim`` is a power of two >= 16 and       xla
                 q/k/v share a float dtype (`tree_attention.kernel_supports`)
+  matmul        pallas (the skinny matmul) without a mesh for products of  xla
+                at most ``max_rows`` rows of bf16/fp16 (`matmul_supports`);
+                xla above (compute-bound) and under a mesh
   sampler       pallas without a mesh; xla under a mesh (XLA partitions    xla
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========
@@ -34,6 +38,8 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.sharding import cache_spec, tp_size
 from pallas_kernels import configs
+from pallas_kernels.matmul import matmul
+from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.tree_attention import kernel_supports, tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 
@@ -86,6 +92,35 @@ def _where_supported(kernel):
         fn = kernel if kernel_supports(q_BNHD, k) else tree_attention_reference
         return fn(q_BNHD, k, v, lengths_B, mask_BNM, scale=scale, layer=layer)
     return attend
+
+
+def matmul_fn(impl: str, mesh: Mesh | None = None):
+    """The projection of ``impl`` (see the module docstring), with the signature of
+    ``matmul_reference``: ``fn(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None,
+    columns=None)``. Under a ``mesh``, ``auto`` is XLA (which partitions the reference; the kernel is
+    not wrapped in ``shard_map``)."""
+    impl = check_impl("matmul_impl", impl)
+    if impl == "xla" or (impl == "auto" and (mesh is not None or not pallas_gpu())):
+        return matmul_reference
+    capability = _kernel_capability(impl)
+    policy = configs.matmul_policy(capability)
+
+    def product(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None):
+        m, k = x_MK.shape
+        n = w_KN.shape[1] if columns is None else columns[1] - columns[0]
+        if impl == "auto" and not matmul_supports(x_MK, w_KN, policy.max_rows):
+            return matmul_reference(x_MK, w_KN, norm_K=norm_K, eps=eps, gated=gated, out_dtype=out_dtype,
+                                    columns=columns)
+        return matmul(x_MK, w_KN, norm_K=norm_K, eps=eps, gated=gated, out_dtype=out_dtype, columns=columns,
+                      config=configs.matmul_config(capability, m, k, n, gated), interpret=impl == "interpret")
+
+    return product
+
+
+def matmul_supports(x_MK, w_KN, max_rows: int) -> bool:
+    """Whether ``auto`` gives this product to the kernel: bf16/fp16 operands, at most ``max_rows``
+    rows (beyond, the product is compute-bound and XLA's GEMMs are the measured choice)."""
+    return x_MK.shape[0] <= max_rows and x_MK.dtype == w_KN.dtype and x_MK.dtype in (jnp.bfloat16, jnp.float16)
 
 
 def shard_attention(attend_fn, mesh: Mesh, *, split_heads: bool):

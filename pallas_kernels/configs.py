@@ -99,12 +99,16 @@ def tree_attention_config(capability: tuple[int, int] | None = None) -> TreeAtte
     An exact match wins, then the entry of the same major version with the highest minor
     version not above it, then the Ampere default.
     """
-    if capability is None:
-        capability = device_capability()
-    if capability in TREE_ATTENTION_CONFIGS:
-        return TREE_ATTENTION_CONFIGS[capability]
-    same_major = [c for c in TREE_ATTENTION_CONFIGS if c[0] == capability[0] and c <= capability]
-    return TREE_ATTENTION_CONFIGS[max(same_major)] if same_major else TREE_ATTENTION_CONFIGS[(8, 0)]
+    return _lookup(TREE_ATTENTION_CONFIGS, device_capability() if capability is None else capability)
+
+
+def _lookup(table: dict, capability: tuple[int, int]):
+    """``table[capability]``, else the entry of the same major version with the highest minor version
+    not above it, else the Ampere entry ``(8, 0)``."""
+    if capability in table:
+        return table[capability]
+    same_major = [c for c in table if c[0] == capability[0] and c <= capability]
+    return table[max(same_major)] if same_major else table[(8, 0)]
 
 
 def device_capability() -> tuple[int, int]:
@@ -115,3 +119,82 @@ def device_capability() -> tuple[int, int]:
         return (0, 0)
     major, minor = str(capability).split(".")
     return int(major), int(minor)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tiling of one product. ``block_m`` rows of ``x`` (a power of two >= 16), ``block_n``
+    columns and ``block_k`` rows of ``w`` per tile, ``splits`` K chunks (split-K), Triton
+    ``num_warps`` and pipelining depth ``num_stages``."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 256
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16, got {value!r}")
+        for name in ("splits", "num_stages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"MatmulConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"MatmulConfig.num_warps must be a power of two <= 16, got {self.num_warps!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulPolicy:
+    """How the skinny matmul is tiled on one GPU generation (see `matmul_config`).
+
+    ``block_n``/``block_k``: weight tile for ``block_m <= 32`` (rows of ``x``); larger row blocks
+    take ``block_k`` down so that ``num_stages`` tiles of ``x`` and ``w`` fit ``smem_bytes``.
+    ``min_programs``: K is split until the grid has at least this many programs. ``max_rows``:
+    above this many rows ``auto`` leaves the product to XLA (it becomes compute-bound and XLA's
+    tuned GEMMs win). ``measured``: whether the entry was tuned on that hardware.
+    """
+
+    block_n: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    min_programs: int = 256
+    max_rows: int = 128
+    smem_bytes: int = 99 * 1024
+    measured: bool = False
+
+
+MATMUL_POLICIES: dict[tuple[int, int], MatmulPolicy] = {
+    (8, 0): MatmulPolicy(),
+    (9, 0): MatmulPolicy(block_n=64, block_k=256, num_warps=4, num_stages=4, min_programs=528, max_rows=128,
+                         smem_bytes=200 * 1024),
+    (10, 0): MatmulPolicy(block_n=64, block_k=256, num_warps=4, num_stages=4, min_programs=592, max_rows=128,
+                          smem_bytes=200 * 1024),
+    (12, 0): MatmulPolicy(block_n=64, block_k=128, num_warps=4, num_stages=3, min_programs=752, max_rows=64),
+}
+
+
+def matmul_policy(capability: tuple[int, int]) -> MatmulPolicy:
+    """The `MATMUL_POLICIES` entry for ``capability`` (same rule as `tree_attention_config`)."""
+    return _lookup(MATMUL_POLICIES, capability)
+
+
+def matmul_config(capability: tuple[int, int], m: int, k: int, n: int, gated: bool = False) -> MatmulConfig:
+    """The tiling of an ``[m, k] @ [k, n]`` product on a GPU of ``capability``: row blocks of the
+    next power of two of ``m`` (16 to 128), the policy's weight tile, and enough K splits for its
+    ``min_programs`` (a ``gated`` product's programs each cover a gate and an up block, so it has
+    half as many column blocks)."""
+    policy = matmul_policy(capability)
+    block_m = min(128, max(16, 1 << max(m - 1, 0).bit_length()))
+    block_k = policy.block_k
+    while block_k > 32 and policy.num_stages * (block_m + policy.block_n) * block_k * 2 > policy.smem_bytes:
+        block_k //= 2
+    programs = -(-m // block_m) * -(-(n // 2 if gated else n) // policy.block_n)
+    tiles = -(-k // block_k)
+    splits = max(1, min(-(-policy.min_programs // programs), tiles // 2))
+    return MatmulConfig(block_m=block_m, block_n=policy.block_n, block_k=block_k, splits=splits,
+                        num_warps=policy.num_warps if block_m <= 64 else 2 * policy.num_warps,
+                        num_stages=policy.num_stages)

@@ -13,14 +13,15 @@ splits)`` multiplies row block i of ``x`` with column block j of ``w`` over the 
 - **RMSNorm prologue** (``norm_K``): every program normalises its rows itself, from their sum of
   squares over the whole of K (``x`` is a few KB and stays in L2), so the norm needs no launch;
 - **SwiGLU epilogue** (``gated``, one split): program j reads the gate block j and the up block j
-  (``N / 2`` columns further) and writes ``silu(gate) * up``, never the ``[M, N]`` product.
+  (``N / 2`` columns further) and writes ``silu(gate) * up``, never the ``[M, N]`` product;
+- **column ranges** (``columns``): a product with a column range of ``w`` reads that range in
+  place (a slice passed to a kernel call would be a copy of it).
 
 Same function as ``matmul_reference`` (within float32 accumulation order).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -29,50 +30,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.configs import MatmulConfig
 from pallas_kernels.matmul_reference import swiglu
 
 
-@dataclasses.dataclass(frozen=True)
-class MatmulConfig:
-    """Tiling of one product. ``block_m`` rows of ``x`` (a power of two >= 16), ``block_n``
-    columns and ``block_k`` rows of ``w`` per tile, ``splits`` K chunks (split-K), Triton
-    ``num_warps`` and pipelining depth ``num_stages``."""
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 256
-    splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16, got {value!r}")
-        for name in ("splits", "num_stages"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"MatmulConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"MatmulConfig.num_warps must be a power of two <= 16, got {self.num_warps!r}")
-
-
-def matmul(x_MK, w_KN, *, norm_K=None, eps: float = 1e-6, gated: bool = False, out_dtype=None,
-           config: MatmulConfig = MatmulConfig(), interpret: bool = False):
+def matmul(x_MK, w_KN, *, norm_K=None, eps: float = 1e-6, gated: bool = False, out_dtype=None, columns=None,
+           config: MatmulConfig | None = None, interpret: bool = False):
     """``x @ w`` (with the optional RMSNorm prologue and SwiGLU epilogue) by the Pallas kernel.
 
     Arguments and result as ``matmul_reference``; ``config`` tiles the product (see the module
-    docstring; a SwiGLU with several splits is applied after the sum), ``interpret`` runs the
-    kernel in the Pallas interpreter.
+    docstring, default `MatmulConfig()`; a SwiGLU with several splits is applied after the sum),
+    ``interpret`` runs the kernel in the Pallas interpreter.
     """
-    check_operands(x_MK, w_KN, norm_K, gated)
+    columns = check_operands(x_MK, w_KN, norm_K, gated, columns)
     out_dtype = jnp.dtype(x_MK.dtype if out_dtype is None else out_dtype)
-    return _matmul(x_MK, w_KN, norm_K, eps=float(eps), gated=bool(gated), out_dtype=out_dtype, config=config,
-                   interpret=bool(interpret))
+    return _matmul(x_MK, w_KN, norm_K, eps=float(eps), gated=bool(gated), out_dtype=out_dtype, columns=columns,
+                   config=MatmulConfig() if config is None else config, interpret=bool(interpret))
 
 
-def check_operands(x_MK, w_KN, norm_K, gated):
-    """ValueError naming the operand unless shapes and dtypes fit ``matmul``."""
+def check_operands(x_MK, w_KN, norm_K, gated, columns=None) -> tuple[int, int]:
+    """ValueError naming the operand unless shapes and dtypes fit ``matmul``; returns the column
+    range ``(start, stop)`` (all of ``w``'s by default)."""
     if x_MK.ndim != 2 or w_KN.ndim != 2 or x_MK.shape[1] != w_KN.shape[0]:
         raise ValueError(f"x must be [M, K] and w [K, N], got shapes {x_MK.shape} and {w_KN.shape}")
     if x_MK.dtype != w_KN.dtype or not jnp.issubdtype(x_MK.dtype, jnp.floating):
@@ -81,19 +59,26 @@ def check_operands(x_MK, w_KN, norm_K, gated):
         raise ValueError(f"norm_K must have shape ({x_MK.shape[1]},), got {norm_K.shape}")
     if gated and w_KN.shape[1] % 2:
         raise ValueError(f"gated needs an even number of columns [gate | up], got {w_KN.shape[1]}")
+    if columns is None:
+        return 0, w_KN.shape[1]
+    start, stop = columns
+    if gated or not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= w_KN.shape[1]):
+        raise ValueError(f"columns must be ints 0 <= start < stop <= {w_KN.shape[1]} (and not gated), got {columns!r}")
+    return start, stop
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "gated", "out_dtype", "config", "interpret"))
-def _matmul(x_MK, w_KN, norm_K, *, eps, gated, out_dtype, config: MatmulConfig, interpret):
-    (m, k), n = x_MK.shape, w_KN.shape[1]
+@functools.partial(jax.jit, static_argnames=("eps", "gated", "out_dtype", "columns", "config", "interpret"))
+def _matmul(x_MK, w_KN, norm_K, *, eps, gated, out_dtype, columns, config: MatmulConfig, interpret):
+    m, k = x_MK.shape
+    n = columns[1] - columns[0]
     tiles = pl.cdiv(k, config.block_k)
     per_split = pl.cdiv(tiles, config.splits)
     splits = pl.cdiv(tiles, per_split)
     fused_gate = gated and splits == 1
     n_out = n // 2 if fused_gate else n
     grid = (pl.cdiv(m, config.block_m), pl.cdiv(n_out, config.block_n), splits)
-    kernel = functools.partial(_kernel, m=m, k=k, n_out=n_out, half=n // 2 if fused_gate else 0, per_split=per_split,
-                               tiles=tiles, eps=eps, out_dtype=out_dtype, config=config)
+    kernel = functools.partial(_kernel, m=m, k=k, n_out=n_out, first=columns[0], half=n // 2 if fused_gate else 0,
+                               per_split=per_split, tiles=tiles, eps=eps, out_dtype=out_dtype, config=config)
     out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype) if splits == 1 else \
         jax.ShapeDtypeStruct((splits, m, n_out), jnp.float32)
     y = pl.pallas_call(
@@ -118,7 +103,7 @@ def _row_scale(x_ref, rows_ok, row_block, *, k, block_k, eps):
     return lax.rsqrt(sum_sq / k + eps)
 
 
-def _kernel(x_ref, w_ref, norm_ref, o_ref, *, m, k, n_out, half, per_split, tiles, eps, out_dtype,
+def _kernel(x_ref, w_ref, norm_ref, o_ref, *, m, k, n_out, first, half, per_split, tiles, eps, out_dtype,
             config: MatmulConfig):
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -143,8 +128,8 @@ def _kernel(x_ref, w_ref, norm_ref, o_ref, *, m, k, n_out, half, per_split, tile
             x = (weight.astype(jnp.float32)[None, :] * normed.astype(jnp.float32)).astype(
                 jnp.result_type(weight, x.dtype))
         x = x.astype(w_ref.dtype)
-        return tuple(acc + pl.dot(x, w_tile(start, col0, k_ok))
-                     for acc, col0 in zip(accs, (j * bn, half + j * bn)[:len(accs)]))
+        return tuple(acc + plt.dot(x, w_tile(start, col0, k_ok))
+                     for acc, col0 in zip(accs, (first + j * bn, first + half + j * bn)[:len(accs)]))
 
     count = jnp.minimum(per_split, tiles - s * per_split)
     zeros = jnp.zeros((bm, bn), jnp.float32)

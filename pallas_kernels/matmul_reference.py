@@ -25,7 +25,7 @@ def swiglu(gate_up):
     return jax.nn.silu(gate) * up
 
 
-def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None):
+def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None):
     """``x @ w`` accumulated in float32, with an optional prologue and epilogue.
 
     Args:
@@ -37,11 +37,14 @@ def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtyp
         ``[M, N / 2]``.
       out_dtype: the result's dtype (default ``x``'s); the product is rounded to it before the
         SwiGLU.
+      columns: optional static ``(start, stop)``: the product with ``w[:, start:stop]`` only.
 
     Returns:
       ``[M, N]`` (``[M, N / 2]`` when ``gated``).
     """
     out_dtype = x_MK.dtype if out_dtype is None else out_dtype
+    if columns is not None:
+        w_KN = w_KN[:, columns[0]:columns[1]]
     if norm_K is not None:
         x_MK = rms_norm(x_MK, norm_K, eps)
     y_MN = jnp.matmul(x_MK, w_KN, preferred_element_type=jnp.float32).astype(out_dtype)

@@ -213,3 +213,17 @@ def test_config_round_trip_and_published_layout():
     assert DFlashConfig.from_hf(hf) == drafter.config
     v4 = {k: v for k, v in hf.items() if k != "rope_parameters"}
     assert DFlashConfig.from_hf({**v4, "rope_theta": 10000.0}) == drafter.config
+
+
+def test_matmul_kernel_drafter_equals_the_xla_drafter():
+    """The drafting step with its projections (context features, context K/V in place, block layers,
+    LM head) on the interpreted skinny-matmul kernel equals the XLA path."""
+    drafter, target = make_pair()
+    rng = np.random.default_rng(2)
+    taps = jnp.asarray(rng.normal(size=(2, 4, drafter.config.num_features)).astype(np.float32))
+    positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    args = (taps, positions, jnp.array([4, 2], jnp.int32), jnp.array([3, 5], jnp.int32), jnp.array([4, 2], jnp.int32))
+    outs = {impl: drafter_forward(drafter, target, init_cache(2, 2, 1, 20, 8, jnp.float32), *args, matmul_impl=impl)
+            for impl in ("xla", "interpret")}
+    np.testing.assert_allclose(outs["interpret"][0], outs["xla"][0], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(outs["interpret"][1].k, outs["xla"][1].k, atol=2e-5, rtol=2e-5)

@@ -31,6 +31,7 @@ from ddtree_jax.models.qwen3 import (
     target_forward_nocache,
 )
 from ddtree_jax.sharding import check_mesh
+from pallas_kernels.matmul_reference import matmul_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,16 +114,16 @@ def init_drafter(config: DFlashConfig, key, dtype=jnp.bfloat16, *, std=0.02) -> 
     return Drafter(config=config, params=params)
 
 
-def context_features(drafter: Drafter, ctx_feats_BCF):
+def context_features(drafter: Drafter, ctx_feats_BCF, matmul=matmul_reference):
     """``hidden_norm(taps @ fc)``: one ``[D]`` feature per context token, ``[B, C, D]``."""
-    feat_BCD = L.matmul(ctx_feats_BCF.astype(drafter.dtype), drafter.params.fc)
+    feat_BCD = L.project(matmul, ctx_feats_BCF.astype(drafter.dtype), drafter.params.fc)
     return L.rms_norm(feat_BCD, drafter.params.hidden_norm, drafter.config.rms_norm_eps)
 
 
-def drafter_head(drafter: Drafter, target: Target, hidden_BQD):
+def drafter_head(drafter: Drafter, target: Target, hidden_BQD, matmul=matmul_reference):
     """Drafter final norm then the target's LM head: float32 logits ``[B, Q, V]``."""
     h_BQD = L.rms_norm(hidden_BQD, drafter.params.final_norm, drafter.config.rms_norm_eps)
-    return project_vocab(target, h_BQD.astype(target.dtype))
+    return project_vocab(target, h_BQD.astype(target.dtype), matmul)
 
 
 def _block_tokens(cfg: DFlashConfig, root_tokens_B):
@@ -131,10 +132,10 @@ def _block_tokens(cfg: DFlashConfig, root_tokens_B):
     return jnp.concatenate([root_tokens_B[:, None].astype(jnp.int32), masks_BL], axis=1)
 
 
-def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state):
+def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state, matmul=matmul_reference):
     x_BQD = target.params.embed[block_tokens_BQ].astype(drafter.dtype)
     x_BQD, _, state = L.run_decoder(drafter.params.layers, L.layer_shape(drafter.config), x_BQD,
-                                    block_positions_BQ, attend, state)
+                                    block_positions_BQ, attend, state, matmul=matmul)
     return x_BQD, state
 
 
@@ -179,37 +180,41 @@ def drafter_hidden(drafter: Drafter, target: Target, ctx_feats_BCF, ctx_position
                            block_positions_BQ, mask_BQK)
 
 
-def append_context(drafter: Drafter, cache: KVCache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B) -> KVCache:
+def append_context(drafter: Drafter, cache: KVCache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
+                   matmul=matmul_reference) -> KVCache:
     """Project the first ``ctx_count[b]`` rows of the raw target taps ``ctx_feats [B, C, F]`` (at
     ``ctx_positions [B, C]``) to every layer's context K/V, write them after the committed slots and
-    advance ``lengths`` (no validation; `drafter_forward` does this as its first step)."""
+    advance ``lengths`` (no validation; `drafter_forward` does this as its first step). ``matmul``:
+    a `kernels.matmul_fn` for the projections."""
     shape = L.layer_shape(drafter.config)
-    feat_BCD = context_features(drafter, ctx_feats_BCF)
+    feat_BCD = context_features(drafter, ctx_feats_BCF, matmul)
     k_LBKSD, v_LBKSD = cache.k, cache.v
     for i, layer in enumerate(drafter.params.layers):
-        k_BCKD, v_BCKD = L.key_value(layer, feat_BCD, ctx_positions_BC, shape)
+        k_BCKD, v_BCKD = L.key_value(layer, feat_BCD, ctx_positions_BC, shape, matmul)
         k_LBKSD = write_scratch(k_LBKSD, i, k_BCKD, cache.lengths)
         v_LBKSD = write_scratch(v_LBKSD, i, v_BCKD, cache.lengths)
     lengths_B = jnp.minimum(cache.lengths + ctx_count_B.astype(jnp.int32), cache.max_len)
     return KVCache(k=k_LBKSD, v=v_LBKSD, lengths=lengths_B)
 
 
-@functools.partial(jax.jit, static_argnames=("attention_impl", "mesh"))
+@functools.partial(jax.jit, static_argnames=("attention_impl", "matmul_impl", "mesh"))
 def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
-                     root_tokens_B, root_positions_B, attention_impl, mesh):
+                     root_tokens_B, root_positions_B, attention_impl, matmul_impl, mesh):
     cfg = drafter.config
-    cache = append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B)
+    matmul = kernels.matmul_fn(matmul_impl, mesh)
+    cache = append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B, matmul)
     batch = root_tokens_B.shape[0]
     block_tokens_BQ = _block_tokens(cfg, root_tokens_B)
     block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]
     attend = L.cached_attend(jnp.ones((batch, cfg.block_size, cfg.block_size), bool), cfg.head_dim ** -0.5,
                              attention_impl, mesh, split_heads=False)
-    hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache)
-    return drafter_head(drafter, target, hidden_BQD[:, 1:]), cache
+    hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache, matmul)
+    return drafter_head(drafter, target, hidden_BQD[:, 1:], matmul), cache
 
 
 def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_BCF, ctx_positions_BC,
-                    ctx_count_B, root_tokens_B, root_positions_B, *, attention_impl="xla", mesh=None):
+                    ctx_count_B, root_tokens_B, root_positions_B, *, attention_impl="xla", matmul_impl="xla",
+                    mesh=None):
     """One drafting step with the drafter's context cache.
 
     First appends context: the first ``ctx_count[b]`` of the C rows of ``ctx_feats [B, C, F]``
@@ -221,13 +226,14 @@ def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_
     Returns ``draft_logits [B, block_size - 1, V]`` float32 (slot k predicts position
     ``root_position + k``) and the cache. Needs ``lengths + C`` and
     ``lengths + ctx_count + block_size`` within ``max_len`` (see `check_capacity`).
-    ``attention_impl``: one of `kernels.IMPLS` (see `ddtree_jax.kernels`).
+    ``attention_impl``, ``matmul_impl``: each one of `kernels.IMPLS` (see `ddtree_jax.kernels`).
     ``mesh``: the ``("dp", "tp")`` mesh the drafter (replicated) and its cache (batch over ``"dp"``)
     are placed on, for the kernels to run per device inside ``shard_map`` with whole heads
     (static; ``None``: one device).
     """
     check_pair(drafter, target)
     kernels.check_impl("attention_impl", attention_impl)
+    kernels.check_impl("matmul_impl", matmul_impl)
     batch, _ = _check_context(drafter, ctx_feats_BCF, ctx_positions_BC)
     if mesh is not None:
         check_mesh(mesh, None, batch)
@@ -240,7 +246,7 @@ def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_
     check_cache_shape(cache, num_layers=cfg.num_hidden_layers, batch=batch, kv_heads=cfg.num_key_value_heads,
                       head_dim=cfg.head_dim)
     return _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
-                            root_tokens_B, root_positions_B, attention_impl, mesh)
+                            root_tokens_B, root_positions_B, attention_impl, matmul_impl, mesh)
 
 
 def drafter_logits(drafter: Drafter, target: Target, token_ids_BT):

@@ -16,6 +16,7 @@ import numpy as np
 from ddtree_jax import kernels
 from ddtree_jax.models.cache import KVCache, write_scratch
 from ddtree_jax.models.params import DecoderLayer
+from pallas_kernels.matmul_reference import matmul_reference, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +37,11 @@ def layer_shape(config) -> LayerShape:
     return LayerShape(**{f.name: getattr(config, f.name) for f in dataclasses.fields(LayerShape)})
 
 
-def matmul(x, w):
-    """``x @ w`` accumulated in float32, returned in ``x``'s dtype."""
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def rms_norm(x, weight, eps):
-    """RMSNorm over the last axis, computed in float32 (as HF Qwen3): ``w * x / rms(x)``."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
+def project(matmul, x_BNK, w_KN, **kwargs):
+    """``matmul`` (a `kernels.matmul_fn`, see ``matmul_reference`` for ``kwargs``) over the rows of
+    ``x [B, N, K]``: ``[B, N, *]``."""
+    batch, num = x_BNK.shape[:2]
+    return matmul(x_BNK.reshape(batch * num, -1), w_KN, **kwargs).reshape(batch, num, -1)
 
 
 def rope(x_BNHD, positions_BN, theta):
@@ -63,41 +59,45 @@ def rope(x_BNHD, positions_BN, theta):
     return rotated.astype(x_BNHD.dtype)
 
 
-def key_value(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape):
-    """Keys and values of inputs ``x [B, N, D]`` from the k/v columns of ``wqkv``.
+def key_value(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape, matmul=matmul_reference):
+    """Keys and values of inputs ``x [B, N, D]`` from the k/v columns of ``wqkv`` (read in place).
 
     Returns ``k_BNKD`` (k_norm then RoPE at ``positions``) and ``v_BNKD``. The DFlash drafter
     uses this alone for its context features, which have no queries.
     """
     q_cols = shape.num_attention_heads * shape.head_dim
-    kv_cols = shape.num_key_value_heads * shape.head_dim
-    kv_BNC = matmul(x_BND, layer.wqkv[:, q_cols:])
-    k_BNKD = kv_BNC[..., :kv_cols].reshape(*x_BND.shape[:2], -1, shape.head_dim)
-    v_BNKD = kv_BNC[..., kv_cols:].reshape(*x_BND.shape[:2], -1, shape.head_dim)
+    kv_BNC = project(matmul, x_BND, layer.wqkv, columns=(q_cols, layer.wqkv.shape[1]))
+    return _rotated_key_value(layer, kv_BNC, positions_BN, shape)
+
+
+def _rotated_key_value(layer: DecoderLayer, kv_BNC, positions_BN, shape: LayerShape):
+    """Split ``[k | v]`` columns into heads; k_norm then RoPE on the keys."""
+    batch, num, kv_cols = kv_BNC.shape[0], kv_BNC.shape[1], shape.num_key_value_heads * shape.head_dim
+    k_BNKD = kv_BNC[..., :kv_cols].reshape(batch, num, -1, shape.head_dim)
+    v_BNKD = kv_BNC[..., kv_cols:].reshape(batch, num, -1, shape.head_dim)
     k_BNKD = rope(rms_norm(k_BNKD, layer.k_norm, shape.rms_norm_eps), positions_BN, shape.rope_theta)
     return k_BNKD, v_BNKD
 
 
-def attention_inputs(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape):
-    """Input norm and q/k/v projections of a decoder layer, with q/k RMSNorm then RoPE.
+def attention_inputs(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape, matmul=matmul_reference):
+    """Input norm and the fused q/k/v projection of a decoder layer (one product, the norm as its
+    prologue), then q/k RMSNorm and RoPE.
 
     Returns ``q_BNHD, k_BNKD, v_BNKD`` (H query heads, K key/value heads).
     """
-    h_BND = rms_norm(x_BND, layer.input_norm, shape.rms_norm_eps)
+    qkv_BNC = project(matmul, x_BND, layer.wqkv, norm_K=layer.input_norm, eps=shape.rms_norm_eps)
     q_cols = shape.num_attention_heads * shape.head_dim
-    q_BNHD = matmul(h_BND, layer.wqkv[:, :q_cols]).reshape(*x_BND.shape[:2], -1, shape.head_dim)
+    q_BNHD = qkv_BNC[..., :q_cols].reshape(*x_BND.shape[:2], -1, shape.head_dim)
     q_BNHD = rope(rms_norm(q_BNHD, layer.q_norm, shape.rms_norm_eps), positions_BN, shape.rope_theta)
-    k_BNKD, v_BNKD = key_value(layer, h_BND, positions_BN, shape)
-    return q_BNHD, k_BNKD, v_BNKD
+    return (q_BNHD, *_rotated_key_value(layer, qkv_BNC[..., q_cols:], positions_BN, shape))
 
 
-def layer_output(layer: DecoderLayer, x_BND, attn_BNHD, shape: LayerShape):
-    """The rest of a decoder layer after attention: output projection, residual, SwiGLU MLP."""
-    x_BND = x_BND + matmul(attn_BNHD.reshape(*x_BND.shape[:2], -1), layer.wo)
-    h_BND = rms_norm(x_BND, layer.post_norm, shape.rms_norm_eps)
-    gate_up_BNI = matmul(h_BND, layer.w_gate_up)
-    gate_BNI, up_BNI = jnp.split(gate_up_BNI, 2, axis=-1)
-    return x_BND + matmul(jax.nn.silu(gate_BNI) * up_BNI, layer.w_down)
+def layer_output(layer: DecoderLayer, x_BND, attn_BNHD, shape: LayerShape, matmul=matmul_reference):
+    """The rest of a decoder layer after attention: output projection and residual, then the
+    SwiGLU MLP (its norm the gate/up product's prologue, SwiGLU its epilogue) and residual."""
+    x_BND = x_BND + project(matmul, attn_BNHD.reshape(*x_BND.shape[:2], -1), layer.wo)
+    h_BNI = project(matmul, x_BND, layer.w_gate_up, norm_K=layer.post_norm, eps=shape.rms_norm_eps, gated=True)
+    return x_BND + project(matmul, h_BNI, layer.w_down)
 
 
 def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads: bool = True):
@@ -114,20 +114,21 @@ def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads:
     return attend
 
 
-def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=()):
+def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=(),
+                matmul=matmul_reference):
     """Run decoder layers on ``x [B, N, D]``; only the attention differs between callers.
 
     ``attend(i, q_BNHD, k_BNKD, v_BNKD, state) -> (out_BNHD, state)`` does layer i's attention
-    (and any cache writes, threaded through ``state``). Returns the final hidden ``[B, N, D]``
-    (before the final norm), the list of hidden states after each layer id in ``tap_layers``
-    (in that order) and the state.
+    (and any cache writes, threaded through ``state``); ``matmul`` (a `kernels.matmul_fn`) does
+    the projections. Returns the final hidden ``[B, N, D]`` (before the final norm), the list of
+    hidden states after each layer id in ``tap_layers`` (in that order) and the state.
     """
     taps = {}
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer_{i}"):
-            q_BNHD, k_BNKD, v_BNKD = attention_inputs(layer, x_BND, positions_BN, shape)
+            q_BNHD, k_BNKD, v_BNKD = attention_inputs(layer, x_BND, positions_BN, shape, matmul)
             attn_BNHD, state = attend(i, q_BNHD, k_BNKD, v_BNKD, state)
-            x_BND = layer_output(layer, x_BND, attn_BNHD, shape)
+            x_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul)
         taps[i] = x_BND
     return x_BND, [taps[i] for i in tap_layers], state
 

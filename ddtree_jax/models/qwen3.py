@@ -21,6 +21,7 @@ from ddtree_jax.models import layers as L
 from ddtree_jax.models.cache import KVCache, check_cache_shape
 from ddtree_jax.models.params import Model, TargetParams
 from ddtree_jax.sharding import check_mesh
+from pallas_kernels.matmul_reference import matmul_reference
 
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                 "mlp_bias": False}
@@ -116,35 +117,39 @@ def init_target(config: Qwen3Config, key, dtype=jnp.bfloat16, *, std=0.02) -> Ta
     return Target(config=config, params=params)
 
 
-def project_vocab(target: Target, h_BND):
-    """The LM head (``lm_head``, or ``embed.T`` when tied) without the final norm: float32
-    ``[B, N, V]``. The DFlash drafter applies it after its own final norm."""
+def project_vocab(target: Target, h_BND, matmul=matmul_reference):
+    """The LM head (``lm_head`` through ``matmul``, a `kernels.matmul_fn`; or ``embed.T`` when tied,
+    through XLA) without the final norm: float32 ``[B, N, V]``. The DFlash drafter applies it after
+    its own final norm."""
     if target.params.lm_head is None:
         return jnp.einsum("bnd,vd->bnv", h_BND, target.params.embed, preferred_element_type=jnp.float32)
-    return jnp.matmul(h_BND, target.params.lm_head, preferred_element_type=jnp.float32)
+    return L.project(matmul, h_BND, target.params.lm_head, out_dtype=jnp.float32)
 
 
-def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers, logits_at_BK=None):
+def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers, logits_at_BK=None,
+                matmul=matmul_reference):
     cfg = target.config
     x_BND, taps, state = L.run_decoder(target.params.layers, L.layer_shape(cfg), target.params.embed[tokens_BN],
-                                       positions_BN, attend, state, tap_layers)
+                                       positions_BN, attend, state, tap_layers, matmul)
     h_BND = L.rms_norm(x_BND, target.params.final_norm, cfg.rms_norm_eps)
     # As HF's hidden_states[id + 1], the last layer's tap is taken after the final norm.
     taps = [h_BND if i == cfg.num_hidden_layers - 1 else tap for i, tap in zip(tap_layers, taps)]
     taps_BNF = jnp.concatenate(taps, axis=-1) if taps else x_BND[..., :0]
     if logits_at_BK is not None:
         h_BND = jnp.take_along_axis(h_BND, logits_at_BK[:, :, None], axis=1)
-    return project_vocab(target, h_BND), taps_BNF, state
+    return project_vocab(target, h_BND, matmul), taps_BNF, state
 
 
-@functools.partial(jax.jit, static_argnames=("tap_layers", "attention_impl", "mesh"))
-def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers, attention_impl, mesh):
+@functools.partial(jax.jit, static_argnames=("tap_layers", "attention_impl", "matmul_impl", "mesh"))
+def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers, attention_impl,
+                    matmul_impl, mesh):
     attend = L.cached_attend(mask_BNN, target.config.head_dim ** -0.5, attention_impl, mesh)
-    return _run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers, logits_at_BK)
+    return _run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers, logits_at_BK,
+                       kernels.matmul_fn(matmul_impl, mesh))
 
 
 def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVCache, *, tap_layers=(),
-                   logits_at_BK=None, attention_impl="xla", mesh=None):
+                   logits_at_BK=None, attention_impl="xla", matmul_impl="xla", mesh=None):
     """Forward of N new tokens per request over the cache (prefill, decode and tree verify).
 
     ``tokens_BN`` int, ``positions_BN`` int (RoPE positions), ``mask_BNN`` bool: new token i
@@ -156,12 +161,13 @@ def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVC
     so the last layer's tap is after the final norm) and the cache.
     With ``logits_at_BK`` (int ``[B, K]``, indices into the N new tokens), only those rows'
     logits are computed: ``[B, K, V]`` (e.g. the last prompt token of a long prefill).
-    ``attention_impl``: one of `kernels.IMPLS` (see `ddtree_jax.kernels`).
+    ``attention_impl``, ``matmul_impl``: each one of `kernels.IMPLS` (see `ddtree_jax.kernels`).
     ``mesh``: the ``("dp", "tp")`` mesh the target and cache are placed on (`ddtree_jax.sharding`),
     for the kernels to run per device inside ``shard_map`` (static; ``None``: one device).
     """
     tap_layers = _check_taps(target.config, tap_layers)
     kernels.check_impl("attention_impl", attention_impl)
+    kernels.check_impl("matmul_impl", matmul_impl)
     _check_tokens(target.config, tokens_BN, positions_BN, mask_BNN)
     cfg = target.config
     if mesh is not None:
@@ -171,7 +177,7 @@ def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVC
     if logits_at_BK is not None:
         _check_rows(logits_at_BK, np.shape(tokens_BN))
     return _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers,
-                           attention_impl, mesh)
+                           attention_impl, matmul_impl, mesh)
 
 
 @functools.partial(jax.jit, static_argnames="tap_layers")

@@ -1,0 +1,127 @@
+"""Skinny matmul kernel vs its jnp reference (Pallas interpreter on CPU) and its Triton lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import configs
+from pallas_kernels.configs import MatmulConfig, matmul_config
+from pallas_kernels.lowering import verified_triton_modules
+from pallas_kernels.matmul import _matmul, matmul
+from pallas_kernels.matmul_reference import matmul_reference, rms_norm
+
+SMALL = MatmulConfig(block_m=16, block_n=16, block_k=32, splits=1, num_warps=4, num_stages=2)
+
+
+def operands(seed, m, k, n, dtype=jnp.float32):
+    kx, kw, kn = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    norm = (1.0 + 0.1 * jax.random.normal(kn, (k,), jnp.float32)).astype(dtype)
+    return x, w, norm
+
+
+def assert_close(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 150), n=st.integers(1, 70), splits=st.integers(1, 4),
+       norm=st.booleans(), gated=st.booleans(), seed=st.integers(0, 2**16))
+def test_interpret_matches_reference_on_ragged_shapes(m, k, n, splits, norm, gated, seed):
+    n += n % 2 if gated else 0
+    x, w, norm_K = operands(seed, m, k, n)
+    kwargs = dict(norm_K=norm_K if norm else None, gated=gated)
+    config = MatmulConfig(block_m=16, block_n=16, block_k=32, splits=splits, num_stages=2)
+    assert_close(matmul(x, w, config=config, interpret=True, **kwargs), matmul_reference(x, w, **kwargs),
+                 jnp.float32)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_bf16_with_every_option(splits):
+    x, w, norm_K = operands(1, 5, 96, 64, jnp.bfloat16)
+    config = MatmulConfig(block_m=16, block_n=16, block_k=32, splits=splits, num_stages=2)
+    for kwargs in (dict(), dict(norm_K=norm_K), dict(norm_K=norm_K, gated=True), dict(out_dtype=jnp.float32),
+                   dict(columns=(16, 48))):
+        out = matmul(x, w, config=config, interpret=True, **kwargs)
+        assert_close(out, matmul_reference(x, w, **kwargs), jnp.bfloat16 if "out_dtype" not in kwargs else jnp.float32)
+
+
+def test_column_range_is_that_slice():
+    x, w, _ = operands(2, 3, 40, 50)
+    out = matmul(x, w, columns=(13, 37), config=SMALL, interpret=True)
+    assert_close(out, matmul_reference(x, w[:, 13:37]), jnp.float32)
+
+
+def test_norm_prologue_is_the_models_rms_norm():
+    x, w, norm_K = operands(3, 4, 64, 32)
+    out = matmul(x, w, norm_K=norm_K, eps=1e-5, config=SMALL, interpret=True)
+    assert_close(out, jnp.matmul(rms_norm(x, norm_K, 1e-5), w), jnp.float32)
+
+
+def test_every_output_entry_is_written():
+    """Rows and columns past the tiles (M = 17 rows in 16-row blocks, N = 33 in 16-column blocks)."""
+    x, w, _ = operands(4, 17, 48, 33)
+    out = np.asarray(matmul(x, w, config=SMALL, interpret=True))
+    assert np.isfinite(out).all()
+    assert_close(jnp.asarray(out), matmul_reference(x, w), jnp.float32)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(w_shape=(8, 4)), "x must be"),
+    (dict(w_dtype=jnp.bfloat16), "share a floating dtype"),
+    (dict(norm_shape=(3,)), "norm_K"),
+    (dict(gated=True, n=5), "even number of columns"),
+    (dict(columns=(4, 2)), "columns"),
+    (dict(columns=(0, 9)), "columns"),
+])
+def test_invalid_operands(kwargs, match):
+    n = kwargs.pop("n", 8)
+    x, w, norm_K = operands(0, 2, 16, n)
+    if "w_shape" in kwargs:
+        w = jnp.zeros(kwargs.pop("w_shape"))
+    if "w_dtype" in kwargs:
+        w = w.astype(kwargs.pop("w_dtype"))
+    norm = jnp.ones(kwargs.pop("norm_shape")) if "norm_shape" in kwargs else None
+    with pytest.raises(ValueError, match=match):
+        matmul(x, w, norm_K=norm, config=SMALL, interpret=True, **kwargs)
+
+
+@pytest.mark.parametrize("field, value", [("block_m", 8), ("block_n", 48), ("splits", 0), ("num_warps", 3)])
+def test_invalid_config(field, value):
+    with pytest.raises(ValueError, match=field):
+        MatmulConfig(**{field: value})
+
+
+QWEN3_8B = [(4096, 6144, False, True), (4096, 4096, False, False), (4096, 24576, True, True),
+            (12288, 4096, False, False), (4096, 151936, False, False)]
+
+
+@pytest.mark.parametrize("capability", sorted(configs.MATMUL_POLICIES))
+@pytest.mark.parametrize("m", [1, 16, 65, 128])
+def test_every_policy_lowers_to_valid_triton_ir_at_qwen3_shapes(capability, m):
+    """The configs of every GPU generation at Qwen3-8B's projections lower to Triton IR that the MLIR
+    verifier accepts (no GPU needed)."""
+    S = jax.ShapeDtypeStruct
+    for k, n, gated, norm in QWEN3_8B:
+        config = matmul_config(capability, m, k, n, gated)
+        args = (S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16), S((k,), jnp.bfloat16) if norm else None)
+        fn = lambda x, w, nw, gated=gated, config=config, n=n: _matmul(  # noqa: E731
+            x, w, nw, eps=1e-6, gated=gated, out_dtype=jnp.dtype(jnp.bfloat16), columns=(0, n), config=config,
+            interpret=False)
+        assert len(verified_triton_modules(fn, *args)) == 1
+
+
+def test_config_splits_k_until_the_grid_is_full():
+    policy = configs.matmul_policy((9, 0))
+    for k, n, gated, _ in QWEN3_8B:
+        config = matmul_config((9, 0), 1, k, n, gated)
+        columns = (n // 2 if gated else n) // config.block_n
+        assert config.block_m == 16 and config.splits >= 1
+        assert columns * config.splits >= policy.min_programs or config.splits == k // config.block_k // 2
+    assert matmul_config((9, 0), 100, 4096, 4096).block_m == 128
