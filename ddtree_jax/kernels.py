@@ -102,8 +102,7 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
     impl = check_impl("matmul_impl", impl)
     if impl == "xla" or (impl == "auto" and (mesh is not None or not pallas_gpu())):
         return matmul_reference
-    capability = _kernel_capability(impl)
-    policy = configs.matmul_policy(capability)
+    policy = configs.matmul_policy(_kernel_capability(impl))
 
     def product(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None):
         m, k = x_MK.shape
@@ -112,7 +111,7 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
             return matmul_reference(x_MK, w_KN, norm_K=norm_K, eps=eps, gated=gated, out_dtype=out_dtype,
                                     columns=columns)
         return matmul(x_MK, w_KN, norm_K=norm_K, eps=eps, gated=gated, out_dtype=out_dtype, columns=columns,
-                      config=configs.matmul_config(capability, m, k, n, gated), interpret=impl == "interpret")
+                      config=configs.matmul_config(policy, m, k, n, gated), interpret=impl == "interpret")
 
     return product
 

@@ -1,14 +1,21 @@
-"""Target forward speed at Qwen3-8B shapes (random bf16 weights): decode vs tree verify vs the HBM roofline.
+"""Target and drafter forwards at Qwen3-8B shapes (random bf16 weights) against the HBM roofline.
 
-One process, warm jit, ``block_until_ready``, medians. The roofline is the bytes every forward must
-stream (all layer weights + the LM head) over the HBM bandwidth (default 4.8 TB/s, H200).
+Per matmul implementation (``--matmul-impls``), batch and context: the target forward of one token
+(the decode step's forward) and of N tree nodes (``--nodes``), and the drafter forward (context
+append + block + LM head); with ``--command-buffers`` each forward is also compiled with XLA's
+command buffers for fusions, library calls and custom calls (the Pallas kernels), so that the step
+runs as CUDA graphs; with ``--profile`` each decode forward's device ops are summed by kind (and
+the optimized HLO of the first is written next to the JSON with ``--hlo``). One process, warm jit,
+``block_until_ready``, medians of ``--repeats`` calls. The roofline is the bytes a forward must
+stream (all layer weights + the LM head) over ``--hbm-tbps``.
 
-    python experiments/bench_models.py --context 4096 --nodes 16,64,256
+    PYTHONPATH=. python experiments/bench_models.py --matmul-impls xla,pallas --contexts 1024 --nodes 16,64
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import json
 import sys
@@ -20,50 +27,95 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ddtree_jax.bench import streamed_bytes  # noqa: E402
-from ddtree_jax.models import Qwen3Config, init_cache, init_target, target_forward  # noqa: E402
-from experiments.common import median_ms  # noqa: E402
+from ddtree_jax.bench import SHAPES, make_models, median_ms, streamed_bytes  # noqa: E402
+from ddtree_jax import profiling  # noqa: E402
+from ddtree_jax.models import KVCache, drafter_forward, init_cache, target_forward  # noqa: E402
 
-QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
-                tie_word_embeddings=False, max_position_embeddings=131072)
+COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION",
+                   "xla_gpu_graph_min_graph_size": 1}
 
 
-def main():
+def filled_cache(cfg, layers, batch, context, slots, dtype):
+    cache = init_cache(layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim, dtype)
+    return KVCache(cache.k, cache.v, jnp.full((batch,), context, jnp.int32))
+
+
+def target_runner(target, batch, context, nodes, impl, options):
+    cfg = target.config
+    cache = filled_cache(cfg, cfg.num_hidden_layers, batch, context, context + nodes + 1, target.dtype)
+    tokens = jnp.zeros((batch, nodes), jnp.int32)
+    positions = context + jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32), (batch, nodes))
+    # A chain-shaped ancestor mask has the same cost as any tree mask of n nodes.
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((nodes, nodes), bool)), (batch, nodes, nodes))
+    fn = jax.jit(functools.partial(target_forward, attention_impl="auto", matmul_impl=impl), compiler_options=options)
+    return fn, (target, tokens, positions, mask, cache)
+
+
+def drafter_runner(target, drafter, batch, context, impl, options):
+    dc = drafter.config
+    cache = filled_cache(dc, dc.num_hidden_layers, batch, context, context + 2 * dc.block_size + 1, drafter.dtype)
+    feats = jnp.zeros((batch, dc.block_size, dc.num_features), drafter.dtype)
+    positions = context + jnp.broadcast_to(jnp.arange(dc.block_size, dtype=jnp.int32), (batch, dc.block_size))
+    count = jnp.full((batch,), 4, jnp.int32)
+    fn = jax.jit(functools.partial(drafter_forward, attention_impl="auto", matmul_impl=impl), compiler_options=options)
+    return fn, (drafter, target, cache, feats, positions, count, jnp.zeros((batch,), jnp.int32),
+                jnp.full((batch,), context + 4, jnp.int32))
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--nodes", default="16,64,256")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=QWEN3_8B["num_hidden_layers"])
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--matmul-impls", default="xla,pallas")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--contexts", default="1024")
+    ap.add_argument("--nodes", default="16,64")
+    ap.add_argument("--command-buffers", action="store_true", help="also time every forward with command buffers")
+    ap.add_argument("--profile", action="store_true", help="sum the device ops of each decode forward by kind")
+    ap.add_argument("--hlo", action="store_true", help="write the optimized HLO of the first decode forward")
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--out", default="experiments/results/bench_models.json")
-    args = ap.parse_args()
-    cfg = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": args.layers})
-    target = init_target(cfg, jax.random.key(0), jnp.bfloat16)
-    nodes = [1] + [int(n) for n in args.nodes.split(",")]
-    cache = init_cache(cfg.num_hidden_layers, args.batch, cfg.num_key_value_heads, args.context + max(nodes),
-                       cfg.head_dim, jnp.bfloat16)
-    cache = type(cache)(k=cache.k, v=cache.v, lengths=jnp.full((args.batch,), args.context, jnp.int32))
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_models.json"))
+    args = ap.parse_args(argv)
+    target, drafter = make_models(args.shapes)
     roofline_ms = 1e3 * streamed_bytes(target) / (args.hbm_tbps * 1e12)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; weights streamed "
-          f"{streamed_bytes(target) / 1e9:.2f} GB, roofline {roofline_ms:.2f} ms")
+          f"{streamed_bytes(target) / 1e9:.2f} GB, roofline {roofline_ms:.2f} ms", flush=True)
+    variants = [(None, "default")] + ([(COMMAND_BUFFERS, "command buffers")] if args.command_buffers else [])
+    jobs = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for context in (int(c) for c in args.contexts.split(",")):
+            for impl in args.matmul_impls.split(","):
+                for options, variant in variants:
+                    key = dict(batch=batch, context=context, matmul_impl=impl, variant=variant)
+                    jobs += [(dict(key, forward=f"verify N={n}" if n > 1 else "decode", nodes=n),
+                              target_runner(target, batch, context, n, impl, options))
+                             for n in [1] + [int(n) for n in args.nodes.split(",") if n]]
+                    jobs.append((dict(key, forward="drafter", nodes=0),
+                                 drafter_runner(target, drafter, batch, context, impl, options)))
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # XLA and Triton compile outside the GIL
+        compiled = list(pool.map(lambda job: job[1][0].lower(*job[1][1]).compile(), jobs))
+    print(f"compiled {len(jobs)} forwards in {time.perf_counter() - start:.0f} s", flush=True)
     rows = []
-    for n in nodes:
-        tokens = jnp.zeros((args.batch, n), jnp.int32)
-        positions = args.context + jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (args.batch, n))
-        # A chain-shaped ancestor mask has the same cost as any tree mask of n nodes.
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (args.batch, n, n))
-        forward = functools.partial(target_forward, target, tokens, positions, mask, cache)
-        ms = median_ms(lambda f=forward: f()[0], args.repeats)
-        rows.append(dict(nodes=n, ms=ms, vs_roofline=ms / roofline_ms))
-        print(f"{'decode' if n == 1 else f'verify N={n}':>14}: {ms:8.2f} ms  {ms / roofline_ms:5.2f}x roofline",
-              flush=True)
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                context=args.context, batch=args.batch, layers=args.layers, roofline_ms=roofline_ms)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for (row, (_, fargs)), fn in zip(jobs, compiled):
+        ms = median_ms(lambda fn=fn, fargs=fargs: fn(*fargs)[0], args.repeats)
+        row.update(ms=ms, vs_roofline=ms / roofline_ms)
+        if row["forward"] == "decode" and args.hlo and not any(r["forward"] == "decode" for r in rows):
+            (args.out.parent / f"{args.out.stem}_decode_{row['matmul_impl']}.hlo.txt").write_text(fn.as_text())
+        if row["forward"] == "decode" and args.profile:
+            row["profile"] = profiling.device_op_times(lambda fn=fn, fargs=fargs: fn(*fargs)[0])
+            print(profiling.format_summary(row["profile"], ops=12), flush=True)
+        rows.append(row)
+        print(f"batch {row['batch']} ctx {row['context']} {row['matmul_impl']:6s} {row['variant']:15s} "
+              f"{row['forward']:>12}: {ms:8.2f} ms  {ms / roofline_ms:5.2f}x roofline", flush=True)
+        args.out.write_text(json.dumps(dict(meta=meta(args, roofline_ms), rows=rows), indent=1))
     print(f"wrote {args.out}")
+
+
+def meta(args, roofline_ms):
+    return dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                command=" ".join(sys.argv), roofline_ms=roofline_ms, hbm_tbps=args.hbm_tbps)
 
 
 if __name__ == "__main__":

@@ -182,12 +182,11 @@ def matmul_policy(capability: tuple[int, int]) -> MatmulPolicy:
     return _lookup(MATMUL_POLICIES, capability)
 
 
-def matmul_config(capability: tuple[int, int], m: int, k: int, n: int, gated: bool = False) -> MatmulConfig:
-    """The tiling of an ``[m, k] @ [k, n]`` product on a GPU of ``capability``: row blocks of the
-    next power of two of ``m`` (16 to 128), the policy's weight tile, and enough K splits for its
-    ``min_programs`` (a ``gated`` product's programs each cover a gate and an up block, so it has
-    half as many column blocks)."""
-    policy = matmul_policy(capability)
+def matmul_config(policy: MatmulPolicy, m: int, k: int, n: int, gated: bool = False) -> MatmulConfig:
+    """The tiling of an ``[m, k] @ [k, n]`` product under ``policy`` (`matmul_policy` of the GPU):
+    row blocks of the next power of two of ``m`` (16 to 128), the policy's weight tile, and enough K
+    splits for its ``min_programs`` (a ``gated`` product's programs each cover a gate and an up
+    block, so it has half as many column blocks)."""
     block_m = min(128, max(16, 1 << max(m - 1, 0).bit_length()))
     block_k = policy.block_k
     while block_k > 32 and policy.num_stages * (block_m + policy.block_n) * block_k * 2 > policy.smem_bytes:

@@ -109,7 +109,7 @@ def test_every_policy_lowers_to_valid_triton_ir_at_qwen3_shapes(capability, m):
     verifier accepts (no GPU needed)."""
     S = jax.ShapeDtypeStruct
     for k, n, gated, norm in QWEN3_8B:
-        config = matmul_config(capability, m, k, n, gated)
+        config = matmul_config(configs.matmul_policy(capability), m, k, n, gated)
         args = (S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16), S((k,), jnp.bfloat16) if norm else None)
         fn = lambda x, w, nw, gated=gated, config=config, n=n: _matmul(  # noqa: E731
             x, w, nw, eps=1e-6, gated=gated, out_dtype=jnp.dtype(jnp.bfloat16), columns=(0, n), config=config,
@@ -120,8 +120,8 @@ def test_every_policy_lowers_to_valid_triton_ir_at_qwen3_shapes(capability, m):
 def test_config_splits_k_until_the_grid_is_full():
     policy = configs.matmul_policy((9, 0))
     for k, n, gated, _ in QWEN3_8B:
-        config = matmul_config((9, 0), 1, k, n, gated)
+        config = matmul_config(policy, 1, k, n, gated)
         columns = (n // 2 if gated else n) // config.block_n
         assert config.block_m == 16 and config.splits >= 1
         assert columns * config.splits >= policy.min_programs or config.splits == k // config.block_k // 2
-    assert matmul_config((9, 0), 100, 4096, 4096).block_m == 128
+    assert matmul_config(policy, 100, 4096, 4096).block_m == 128

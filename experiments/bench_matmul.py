@@ -1,0 +1,165 @@
+"""The projections of a decode step: the skinny-matmul kernel vs XLA, against the HBM bandwidth.
+
+For each Qwen3-8B projection (q/k/v with its RMSNorm prologue, attention output, gate/up with its
+norm and SwiGLU, down, LM head) and each row count M, the product runs on ``--copies`` distinct
+weight copies in one jitted call (so that no weight comes from L2), called back to back
+``--calls`` times; time per product = wall time / (calls x copies), median of ``--repeats``. TB/s
+counts the weight bytes (what the product must stream). Compared: XLA (the jnp reference), the
+kernel with the config the device's policy picks, and with ``--sweep`` a grid of configs around
+the policy (weight tiles, K splits, pipeline depth). Each result is checked against the reference
+first. Prints a table and writes JSON.
+
+    PYTHONPATH=. python experiments/bench_matmul.py --rows 1,16,64 --sweep --out bench_matmul.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import configs
+from pallas_kernels.matmul import matmul
+from pallas_kernels.matmul_reference import matmul_reference
+
+# name: (K, N, gated, RMSNorm prologue, out dtype)
+SHAPES = {
+    "qkv": (4096, 6144, False, True, jnp.bfloat16),
+    "o": (4096, 4096, False, False, jnp.bfloat16),
+    "gate_up": (4096, 24576, True, True, jnp.bfloat16),
+    "down": (12288, 4096, False, False, jnp.bfloat16),
+    "lm_head": (4096, 151936, False, False, jnp.float32),
+}
+
+
+def sweep_configs(policy, m, k, n, gated) -> dict:
+    """Configs of a grid of policies around ``policy``: weight tiles, pipeline depth, and the program
+    target that sets the K splits (1 = no split, so a gated product fuses its SwiGLU)."""
+    grid = {}
+    for block_n, block_k, stages, programs in itertools.product((64, 128), (128, 256), (3, 4), (1, 264, 528, 1056)):
+        swept = dataclasses.replace(policy, block_n=block_n, block_k=block_k, num_stages=stages, min_programs=programs)
+        config = configs.matmul_config(swept, m, k, n, gated)
+        grid[f"n{config.block_n}_k{config.block_k}_s{config.num_stages}_x{config.splits}"] = config
+    return grid
+
+
+def product_fn(config, gated, norm, out_dtype):
+    """A jitted ``(x, norm_K, ws) -> [x @ w for w in ws]`` on the kernel (``config``) or XLA (``None``)."""
+    fn = matmul_reference if config is None else functools.partial(matmul, config=config)
+
+    def run(x, norm_K, ws):
+        return [fn(x, w, norm_K=norm_K if norm else None, gated=gated, out_dtype=out_dtype) for w in ws]
+
+    return jax.jit(run)
+
+
+def operands(m, k, n, copies, seed=0):
+    keys = jax.random.split(jax.random.key(seed), copies + 2)
+    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    norm = (1.0 + 0.1 * jax.random.normal(keys[1], (k,))).astype(jnp.bfloat16)
+    return x, norm, [(jax.random.normal(key, (k, n)) * k ** -0.5).astype(jnp.bfloat16) for key in keys[2:]]
+
+
+def time_per_product(fn, args, calls, repeats, copies) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / (calls * copies))
+    return float(np.median(times))
+
+
+def compile_all(jobs, copies):
+    """``{job: compiled or error text}``, compiled in parallel threads (XLA and Triton compile outside
+    the GIL)."""
+    def one(job):
+        name, m, _, config = job
+        k, n, gated, norm, out_dtype = SHAPES[name]
+        S = jax.ShapeDtypeStruct
+        try:
+            return job, product_fn(config, gated, norm, out_dtype).lower(
+                S((m, k), jnp.bfloat16), S((k,), jnp.bfloat16), [S((k, n), jnp.bfloat16)] * copies).compile()
+        except Exception as e:  # noqa: BLE001 (a config that does not compile is a row, not a crash)
+            return job, repr(e)[:300]
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        return dict(pool.map(one, jobs))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,16,64", help="comma-separated row counts M")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--sweep", action="store_true", help="also time a grid of configs (rows <= --sweep-rows)")
+    p.add_argument("--sweep-rows", type=int, default=16)
+    p.add_argument("--copies", type=int, default=4)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("bench_matmul.json"))
+    args = p.parse_args(argv)
+    capability = configs.device_capability()
+    policy = configs.matmul_policy(capability)
+    device = jax.devices()[0].device_kind
+    print(f"device {device}, capability {capability}, jax {jax.__version__}, policy {policy}", flush=True)
+    result = dict(meta=dict(device=device, capability=capability, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                            command=" ".join(sys.argv), policy=dataclasses.asdict(policy)), rows=[])
+    groups = {}
+    for name in args.shapes.split(","):
+        k, n, gated, _, _ = SHAPES[name]
+        for m in (int(r) for r in args.rows.split(",")):
+            impls = {"xla": None, "kernel": configs.matmul_config(policy, m, k, n, gated)}
+            if args.sweep and m <= args.sweep_rows:
+                impls.update(sweep_configs(policy, m, k, n, gated))
+            groups[(name, m)] = [(name, m, impl, config) for impl, config in impls.items()]
+    compiled = compile_all([job for jobs in groups.values() for job in jobs], args.copies)
+    print(f"compiled {len(compiled)} products", flush=True)
+    for (name, m), jobs in groups.items():
+        k, n, gated, norm, out_dtype = SHAPES[name]
+        x, nw, ws = operands(m, k, n, args.copies)
+        reference = product_fn(None, gated, norm, out_dtype)(x, nw, ws[:1])[0].astype(jnp.float32)
+        scale = float(jnp.max(jnp.abs(reference)))
+        for job in jobs:
+            _, _, impl, config = job
+            fn = compiled[job]
+            row = dict(shape=name, m=m, k=k, n=n, impl=impl,
+                       config=None if config is None else dataclasses.asdict(config))
+            if isinstance(fn, str):
+                row.update(error=fn, ok=False)
+                print(f"{name:8s} M={m:4d} {impl:22s} failed: {fn[:100]}", flush=True)
+            else:
+                err = float(jnp.max(jnp.abs(fn(x, nw, ws)[0].astype(jnp.float32) - reference)))
+                seconds = time_per_product(fn, (x, nw, ws), args.calls, args.repeats, args.copies)
+                row.update(us=1e6 * seconds, tbps=k * n * 2 / seconds / 1e12, max_abs_err=err, ref_scale=scale,
+                           ok=bool(np.isfinite(err) and err <= 2e-2 * max(scale, 1.0)))
+                print(f"{name:8s} M={m:4d} {impl:22s} {row['us']:8.1f} us {row['tbps']:5.2f} TB/s err {err:.1e}"
+                      + ("" if row["ok"] else "  WRONG"), flush=True)
+            result["rows"].append(row)
+        del ws
+    print("\nshape      M  xla TB/s  policy TB/s  best TB/s  best config", flush=True)
+    for name, m in groups:
+        rows = {r["impl"]: r for r in result["rows"] if (r["shape"], r["m"]) == (name, m)}
+        timed = [r for r in rows.values() if r.get("ok") and r["impl"] != "xla"]
+        best = min(timed, key=lambda r: r["us"]) if timed else {"tbps": float("nan"), "impl": "-"}
+        print(f"{name:8s} {m:4d} {rows['xla'].get('tbps', float('nan')):9.2f} "
+              f"{rows['kernel'].get('tbps', float('nan')):12.2f} {best['tbps']:10.2f}  {best['impl']}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return 0 if all(r.get("ok", False) for r in result["rows"] if r["impl"] in ("xla", "kernel")) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
