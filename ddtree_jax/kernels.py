@@ -97,21 +97,22 @@ def _where_supported(kernel):
 def matmul_fn(impl: str, mesh: Mesh | None = None):
     """The projection of ``impl`` (see the module docstring), with the signature of
     ``matmul_reference``: ``fn(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None,
-    columns=None)``. Under a ``mesh``, ``auto`` is XLA (which partitions the reference; the kernel is
+    columns=None, residual_MN=None)``. Under a ``mesh``, ``auto`` is XLA (which partitions the reference; the kernel is
     not wrapped in ``shard_map``)."""
     impl = check_impl("matmul_impl", impl)
     if impl == "xla" or (impl == "auto" and (mesh is not None or not pallas_gpu())):
         return matmul_reference
     policy = configs.matmul_policy(_kernel_capability(impl))
 
-    def product(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None):
+    def product(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None, residual_MN=None):
+        kwargs = dict(norm_K=norm_K, eps=eps, gated=gated, out_dtype=out_dtype, columns=columns,
+                      residual_MN=residual_MN)
+        if impl == "auto" and not matmul_supports(x_MK, w_KN, policy.max_rows):
+            return matmul_reference(x_MK, w_KN, **kwargs)
         m, k = x_MK.shape
         n = w_KN.shape[1] if columns is None else columns[1] - columns[0]
-        if impl == "auto" and not matmul_supports(x_MK, w_KN, policy.max_rows):
-            return matmul_reference(x_MK, w_KN, norm_K=norm_K, eps=eps, gated=gated, out_dtype=out_dtype,
-                                    columns=columns)
-        return matmul(x_MK, w_KN, norm_K=norm_K, eps=eps, gated=gated, out_dtype=out_dtype, columns=columns,
-                      config=configs.matmul_config(policy, m, k, n, gated), interpret=impl == "interpret")
+        return matmul(x_MK, w_KN, config=configs.matmul_config(policy, m, k, n, gated), interpret=impl == "interpret",
+                      **kwargs)
 
     return product
 

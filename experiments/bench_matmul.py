@@ -1,7 +1,8 @@
 """The projections of a decode step: the skinny-matmul kernel vs XLA, against the HBM bandwidth.
 
 For each Qwen3-8B projection (q/k/v with its RMSNorm prologue, attention output, gate/up with its
-norm and SwiGLU, down, LM head) and each row count M, the product runs on ``--copies`` distinct
+norm and SwiGLU, down, LM head; attention output and down with their residual add) and each row
+count M, the product runs on ``--copies`` distinct
 weight copies in one jitted call (so that no weight comes from L2), called back to back
 ``--calls`` times; time per product = wall time / (calls x copies), median of ``--repeats``. TB/s
 counts the weight bytes (what the product must stream). Compared: XLA (the jnp reference), the
@@ -32,13 +33,13 @@ from pallas_kernels import configs
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference
 
-# name: (K, N, gated, RMSNorm prologue, out dtype)
+# name: (K, N, gated, RMSNorm prologue, out dtype, residual epilogue)
 SHAPES = {
-    "qkv": (4096, 6144, False, True, jnp.bfloat16),
-    "o": (4096, 4096, False, False, jnp.bfloat16),
-    "gate_up": (4096, 24576, True, True, jnp.bfloat16),
-    "down": (12288, 4096, False, False, jnp.bfloat16),
-    "lm_head": (4096, 151936, False, False, jnp.float32),
+    "qkv": (4096, 6144, False, True, jnp.bfloat16, False),
+    "o": (4096, 4096, False, False, jnp.bfloat16, True),
+    "gate_up": (4096, 24576, True, True, jnp.bfloat16, False),
+    "down": (12288, 4096, False, False, jnp.bfloat16, True),
+    "lm_head": (4096, 151936, False, False, jnp.float32, False),
 }
 
 
@@ -53,21 +54,24 @@ def sweep_configs(policy, m, k, n, gated) -> dict:
     return grid
 
 
-def product_fn(config, gated, norm, out_dtype):
-    """A jitted ``(x, norm_K, ws) -> [x @ w for w in ws]`` on the kernel (``config``) or XLA (``None``)."""
+def product_fn(config, gated, norm, out_dtype, residual):
+    """A jitted ``(x, norm_K, residual, ws) -> [x @ w for w in ws]`` (with the shape's prologue and
+    epilogues) on the kernel (``config``) or XLA (``None``)."""
     fn = matmul_reference if config is None else functools.partial(matmul, config=config)
 
-    def run(x, norm_K, ws):
-        return [fn(x, w, norm_K=norm_K if norm else None, gated=gated, out_dtype=out_dtype) for w in ws]
+    def run(x, norm_K, residual_MN, ws):
+        return [fn(x, w, norm_K=norm_K if norm else None, gated=gated, out_dtype=out_dtype,
+                   residual_MN=residual_MN if residual else None) for w in ws]
 
     return jax.jit(run)
 
 
 def operands(m, k, n, copies, seed=0):
-    keys = jax.random.split(jax.random.key(seed), copies + 2)
+    keys = jax.random.split(jax.random.key(seed), copies + 3)
     x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
     norm = (1.0 + 0.1 * jax.random.normal(keys[1], (k,))).astype(jnp.bfloat16)
-    return x, norm, [(jax.random.normal(key, (k, n)) * k ** -0.5).astype(jnp.bfloat16) for key in keys[2:]]
+    residual = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+    return x, norm, residual, [(jax.random.normal(key, (k, n)) * k ** -0.5).astype(jnp.bfloat16) for key in keys[3:]]
 
 
 def time_per_product(fn, args, calls, repeats, copies) -> float:
@@ -87,11 +91,12 @@ def compile_all(jobs, copies):
     the GIL)."""
     def one(job):
         name, m, _, config = job
-        k, n, gated, norm, out_dtype = SHAPES[name]
+        k, n, gated, norm, out_dtype, residual = SHAPES[name]
         S = jax.ShapeDtypeStruct
         try:
-            return job, product_fn(config, gated, norm, out_dtype).lower(
-                S((m, k), jnp.bfloat16), S((k,), jnp.bfloat16), [S((k, n), jnp.bfloat16)] * copies).compile()
+            return job, product_fn(config, gated, norm, out_dtype, residual).lower(
+                S((m, k), jnp.bfloat16), S((k,), jnp.bfloat16), S((m, n), jnp.bfloat16),
+                [S((k, n), jnp.bfloat16)] * copies).compile()
         except Exception as e:  # noqa: BLE001 (a config that does not compile is a row, not a crash)
             return job, repr(e)[:300]
 
@@ -118,7 +123,7 @@ def main(argv=None) -> int:
                             command=" ".join(sys.argv), policy=dataclasses.asdict(policy)), rows=[])
     groups = {}
     for name in args.shapes.split(","):
-        k, n, gated, _, _ = SHAPES[name]
+        k, n, gated, *_ = SHAPES[name]
         for m in (int(r) for r in args.rows.split(",")):
             impls = {"xla": None, "kernel": configs.matmul_config(policy, m, k, n, gated)}
             if args.sweep and m <= args.sweep_rows:
@@ -127,9 +132,9 @@ def main(argv=None) -> int:
     compiled = compile_all([job for jobs in groups.values() for job in jobs], args.copies)
     print(f"compiled {len(compiled)} products", flush=True)
     for (name, m), jobs in groups.items():
-        k, n, gated, norm, out_dtype = SHAPES[name]
-        x, nw, ws = operands(m, k, n, args.copies)
-        reference = product_fn(None, gated, norm, out_dtype)(x, nw, ws[:1])[0].astype(jnp.float32)
+        k, n, gated, norm, out_dtype, residual = SHAPES[name]
+        x, nw, res, ws = operands(m, k, n, args.copies)
+        reference = product_fn(None, gated, norm, out_dtype, residual)(x, nw, res, ws[:1])[0].astype(jnp.float32)
         scale = float(jnp.max(jnp.abs(reference)))
         for job in jobs:
             _, _, impl, config = job
@@ -140,8 +145,8 @@ def main(argv=None) -> int:
                 row.update(error=fn, ok=False)
                 print(f"{name:8s} M={m:4d} {impl:22s} failed: {fn[:100]}", flush=True)
             else:
-                err = float(jnp.max(jnp.abs(fn(x, nw, ws)[0].astype(jnp.float32) - reference)))
-                seconds = time_per_product(fn, (x, nw, ws), args.calls, args.repeats, args.copies)
+                err = float(jnp.max(jnp.abs(fn(x, nw, res, ws)[0].astype(jnp.float32) - reference)))
+                seconds = time_per_product(fn, (x, nw, res, ws), args.calls, args.repeats, args.copies)
                 row.update(us=1e6 * seconds, tbps=k * n * 2 / seconds / 1e12, max_abs_err=err, ref_scale=scale,
                            ok=bool(np.isfinite(err) and err <= 2e-2 * max(scale, 1.0)))
                 print(f"{name:8s} M={m:4d} {impl:22s} {row['us']:8.1f} us {row['tbps']:5.2f} TB/s err {err:.1e}"

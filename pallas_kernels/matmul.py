@@ -10,8 +10,11 @@ splits)`` multiplies row block i of ``x`` with column block j of ``w`` over the 
 - **streaming**: ``block_k``-row tiles of ``w`` (contiguous ``block_n``-column segments) go through
   a ``num_stages``-deep software pipeline into the matrix units; ``x``'s rows are padded to
   ``block_m`` (at least 16, the smallest MMA tile);
-- **RMSNorm prologue** (``norm_K``): every program normalises its rows itself, from their sum of
-  squares over the whole of K (``x`` is a few KB and stays in L2), so the norm needs no launch;
+- **RMSNorm prologue** (``norm_K``): by linearity, ``rms_norm(x) @ w`` is ``(x * norm) @ w`` scaled
+  row by row by ``rsqrt(mean(x^2) + eps)``; the loop accumulates the sum of squares of ``x`` beside
+  the product and scales at the end, so the norm costs neither a launch nor a pass of its own;
+- **residual epilogue** (``residual_MN``): ``residual + x @ w`` in the same pass (after the sum of
+  the splits when there are several);
 - **SwiGLU epilogue** (``gated``, one split): program j reads the gate block j and the up block j
   (``N / 2`` columns further) and writes ``silu(gate) * up``, never the ``[M, N]`` product;
 - **column ranges** (``columns``): a product with a column range of ``w`` reads that range in
@@ -35,8 +38,8 @@ from pallas_kernels.matmul_reference import swiglu
 
 
 def matmul(x_MK, w_KN, *, norm_K=None, eps: float = 1e-6, gated: bool = False, out_dtype=None, columns=None,
-           config: MatmulConfig | None = None, interpret: bool = False):
-    """``x @ w`` (with the optional RMSNorm prologue and SwiGLU epilogue) by the Pallas kernel.
+           residual_MN=None, config: MatmulConfig | None = None, interpret: bool = False):
+    """``x @ w`` (with the optional RMSNorm prologue, SwiGLU and residual epilogues) by the Pallas kernel.
 
     Arguments and result as ``matmul_reference``; ``config`` tiles the product (see the module
     docstring, default `MatmulConfig()`; a SwiGLU with several splits is applied after the sum),
@@ -44,8 +47,12 @@ def matmul(x_MK, w_KN, *, norm_K=None, eps: float = 1e-6, gated: bool = False, o
     """
     columns = check_operands(x_MK, w_KN, norm_K, gated, columns)
     out_dtype = jnp.dtype(x_MK.dtype if out_dtype is None else out_dtype)
-    return _matmul(x_MK, w_KN, norm_K, eps=float(eps), gated=bool(gated), out_dtype=out_dtype, columns=columns,
-                   config=MatmulConfig() if config is None else config, interpret=bool(interpret))
+    n_out = (columns[1] - columns[0]) // (2 if gated else 1)
+    if residual_MN is not None and (residual_MN.shape != (x_MK.shape[0], n_out) or residual_MN.dtype != out_dtype):
+        raise ValueError(f"residual_MN must be {out_dtype} [{x_MK.shape[0]}, {n_out}], got {residual_MN.dtype} "
+                         f"{residual_MN.shape}")
+    return _matmul(x_MK, w_KN, norm_K, residual_MN, eps=float(eps), gated=bool(gated), out_dtype=out_dtype,
+                   columns=columns, config=MatmulConfig() if config is None else config, interpret=bool(interpret))
 
 
 def check_operands(x_MK, w_KN, norm_K, gated, columns=None) -> tuple[int, int]:
@@ -68,7 +75,7 @@ def check_operands(x_MK, w_KN, norm_K, gated, columns=None) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "gated", "out_dtype", "columns", "config", "interpret"))
-def _matmul(x_MK, w_KN, norm_K, *, eps, gated, out_dtype, columns, config: MatmulConfig, interpret):
+def _matmul(x_MK, w_KN, norm_K, residual_MN, *, eps, gated, out_dtype, columns, config: MatmulConfig, interpret):
     m, k = x_MK.shape
     n = columns[1] - columns[0]
     tiles = pl.cdiv(k, config.block_k)
@@ -79,67 +86,75 @@ def _matmul(x_MK, w_KN, norm_K, *, eps, gated, out_dtype, columns, config: Matmu
     grid = (pl.cdiv(m, config.block_m), pl.cdiv(n_out, config.block_n), splits)
     kernel = functools.partial(_kernel, m=m, k=k, n_out=n_out, first=columns[0], half=n // 2 if fused_gate else 0,
                                per_split=per_split, tiles=tiles, eps=eps, out_dtype=out_dtype, config=config)
-    out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype) if splits == 1 else \
-        jax.ShapeDtypeStruct((splits, m, n_out), jnp.float32)
-    y = pl.pallas_call(
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype), None
+    else:  # float32 partial sums, and each split's sum of squares of x when it needs the norm
+        out_shape = (jax.ShapeDtypeStruct((splits, m, n_out), jnp.float32),
+                     None if norm_K is None else jax.ShapeDtypeStruct((splits, m, 1), jnp.float32))
+    y, sum_sq = pl.pallas_call(
         kernel, grid=grid, out_shape=out_shape, interpret=interpret, name="skinny_matmul",
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-    )(x_MK, w_KN, norm_K)
+    )(x_MK, w_KN, norm_K, residual_MN if splits == 1 else None)
     if splits == 1:
         return y
-    y = y.sum(axis=0).astype(out_dtype)
-    return swiglu(y) if gated else y
+    y = y.sum(axis=0)
+    if norm_K is not None:
+        y = y * lax.rsqrt(sum_sq.sum(axis=0) / k + eps)
+    y = y.astype(out_dtype)
+    y = swiglu(y) if gated else y
+    return y if residual_MN is None else residual_MN + y
 
 
-def _row_scale(x_ref, rows_ok, row_block, *, k, block_k, eps):
-    """``rsqrt(mean(x^2) + eps)`` of each row of the block, from all of its K entries: ``[block_m, 1]``."""
-    def body(t, acc):
-        cols = t * block_k + jnp.arange(block_k)
-        x = plt.load(x_ref.at[row_block, pl.ds(t * block_k, block_k)], mask=rows_ok[:, None] & (cols < k)[None, :],
-                     other=0).astype(jnp.float32)
-        return acc + jnp.sum(x * x, axis=1, keepdims=True)
-
-    sum_sq = lax.fori_loop(0, pl.cdiv(k, block_k), body, jnp.zeros((rows_ok.shape[0], 1), jnp.float32))
-    return lax.rsqrt(sum_sq / k + eps)
-
-
-def _kernel(x_ref, w_ref, norm_ref, o_ref, *, m, k, n_out, first, half, per_split, tiles, eps, out_dtype,
-            config: MatmulConfig):
+def _kernel(x_ref, w_ref, norm_ref, residual_ref, o_ref, sum_sq_ref, *, m, k, n_out, first, half, per_split, tiles,
+            eps, out_dtype, config: MatmulConfig):
+    """Program (i, j, s). The RMSNorm goes through linearity: ``rms_norm(x) @ w`` is
+    ``((x * norm) @ w) * rsqrt(mean(x^2) + eps)`` row by row, so the loop accumulates the product of
+    ``x * norm`` and the sum of squares of ``x`` together and scales at the end (with several splits
+    the wrapper scales after adding the splits up)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = i * bm + jnp.arange(bm)
-    rows_ok = rows < m
-    cols = j * bn + jnp.arange(bn)
-    cols_ok = cols < n_out
-    row_block = pl.ds(i * bm, bm)
-    scale = None if norm_ref is None else _row_scale(x_ref, rows_ok, row_block, k=k, block_k=bk, eps=eps)
+    rows_ok = i * bm + jnp.arange(bm) < m
+    cols_ok = j * bn + jnp.arange(bn) < n_out
+    row_block, col_block = pl.ds(i * bm, bm), pl.ds(j * bn, bn)
 
     def w_tile(start, col0, k_ok):
         return plt.load(w_ref.at[pl.ds(start, bk), pl.ds(col0, bn)], mask=k_ok[:, None] & cols_ok[None, :], other=0,
                         eviction_policy="evict_first")
 
-    def body(t, accs):
+    def body(t, carry):
+        accs, sum_sq = carry
         start = (s * per_split + t) * bk
         k_ok = start + jnp.arange(bk) < k
         x = plt.load(x_ref.at[row_block, pl.ds(start, bk)], mask=rows_ok[:, None] & k_ok[None, :], other=0)
-        if scale is not None:
+        if norm_ref is not None:
+            x32 = x.astype(jnp.float32)
+            sum_sq = sum_sq + jnp.sum(x32 * x32, axis=1, keepdims=True)
             weight = plt.load(norm_ref.at[pl.ds(start, bk)], mask=k_ok, other=0)
-            normed = (x.astype(jnp.float32) * scale).astype(x.dtype)
-            x = (weight.astype(jnp.float32)[None, :] * normed.astype(jnp.float32)).astype(
-                jnp.result_type(weight, x.dtype))
+            x = x32 * weight.astype(jnp.float32)[None, :]
         x = x.astype(w_ref.dtype)
-        return tuple(acc + plt.dot(x, w_tile(start, col0, k_ok))
+        accs = tuple(acc + plt.dot(x, w_tile(start, col0, k_ok))
                      for acc, col0 in zip(accs, (first + j * bn, first + half + j * bn)[:len(accs)]))
+        return accs, sum_sq
 
     count = jnp.minimum(per_split, tiles - s * per_split)
     zeros = jnp.zeros((bm, bn), jnp.float32)
-    accs = lax.fori_loop(0, count, body, (zeros, zeros) if half else (zeros,))
+    accs, sum_sq = lax.fori_loop(0, count, body, ((zeros, zeros) if half else (zeros,),
+                                                  jnp.zeros((bm, 1), jnp.float32)))
     mask = rows_ok[:, None] & cols_ok[None, :]
-    if half:  # the fused SwiGLU: product rounded to the output dtype first, as the reference does
+    if sum_sq_ref is not None:  # one split of several: partial sums, scaled by the wrapper
+        plt.store(o_ref.at[s, row_block, col_block], accs[0], mask=mask)
+        plt.store(sum_sq_ref.at[s, row_block, pl.ds(0, 1)], sum_sq, mask=rows_ok[:, None])
+        return
+    if len(o_ref.shape) == 3:
+        plt.store(o_ref.at[s, row_block, col_block], accs[0], mask=mask)
+        return
+    if norm_ref is not None:
+        accs = tuple(acc * lax.rsqrt(sum_sq / k + eps) for acc in accs)
+    y = accs[0].astype(out_dtype)
+    if half:  # the fused SwiGLU: the product rounded to the output dtype first, as the reference does
         gate, up = (a.astype(out_dtype).astype(jnp.float32) for a in accs)
         y = (jax.nn.silu(gate).astype(out_dtype).astype(jnp.float32) * up).astype(out_dtype)
-    else:
-        y = accs[0].astype(o_ref.dtype)
-    target = o_ref.at[row_block, pl.ds(j * bn, bn)] if len(o_ref.shape) == 2 else \
-        o_ref.at[s, row_block, pl.ds(j * bn, bn)]
-    plt.store(target, y, mask=mask)
+    if residual_ref is not None:
+        residual = plt.load(residual_ref.at[row_block, col_block], mask=mask, other=0)
+        y = (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
+    plt.store(o_ref.at[row_block, col_block], y.astype(o_ref.dtype), mask=mask)

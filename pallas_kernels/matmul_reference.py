@@ -25,7 +25,8 @@ def swiglu(gate_up):
     return jax.nn.silu(gate) * up
 
 
-def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None):
+def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None,
+                     residual_MN=None):
     """``x @ w`` accumulated in float32, with an optional prologue and epilogue.
 
     Args:
@@ -38,6 +39,8 @@ def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtyp
       out_dtype: the result's dtype (default ``x``'s); the product is rounded to it before the
         SwiGLU.
       columns: optional static ``(start, stop)``: the product with ``w[:, start:stop]`` only.
+      residual_MN: optional ``[M, N]`` (``[M, N / 2]`` when gated) in the result's dtype, added to the
+        result (a residual connection).
 
     Returns:
       ``[M, N]`` (``[M, N / 2]`` when ``gated``).
@@ -48,4 +51,5 @@ def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtyp
     if norm_K is not None:
         x_MK = rms_norm(x_MK, norm_K, eps)
     y_MN = jnp.matmul(x_MK, w_KN, preferred_element_type=jnp.float32).astype(out_dtype)
-    return swiglu(y_MN) if gated else y_MN
+    y_MN = swiglu(y_MN) if gated else y_MN
+    return y_MN if residual_MN is None else residual_MN + y_MN

@@ -32,11 +32,12 @@ def assert_close(out, ref, dtype):
 
 @settings(max_examples=25, deadline=None)
 @given(m=st.integers(1, 40), k=st.integers(1, 150), n=st.integers(1, 70), splits=st.integers(1, 4),
-       norm=st.booleans(), gated=st.booleans(), seed=st.integers(0, 2**16))
-def test_interpret_matches_reference_on_ragged_shapes(m, k, n, splits, norm, gated, seed):
+       norm=st.booleans(), gated=st.booleans(), residual=st.booleans(), seed=st.integers(0, 2**16))
+def test_interpret_matches_reference_on_ragged_shapes(m, k, n, splits, norm, gated, residual, seed):
     n += n % 2 if gated else 0
     x, w, norm_K = operands(seed, m, k, n)
-    kwargs = dict(norm_K=norm_K if norm else None, gated=gated)
+    res = jax.random.normal(jax.random.key(seed + 1), (m, n // 2 if gated else n)) if residual else None
+    kwargs = dict(norm_K=norm_K if norm else None, gated=gated, residual_MN=res)
     config = MatmulConfig(block_m=16, block_n=16, block_k=32, splits=splits, num_stages=2)
     assert_close(matmul(x, w, config=config, interpret=True, **kwargs), matmul_reference(x, w, **kwargs),
                  jnp.float32)
@@ -46,8 +47,9 @@ def test_interpret_matches_reference_on_ragged_shapes(m, k, n, splits, norm, gat
 def test_bf16_with_every_option(splits):
     x, w, norm_K = operands(1, 5, 96, 64, jnp.bfloat16)
     config = MatmulConfig(block_m=16, block_n=16, block_k=32, splits=splits, num_stages=2)
+    residual = jax.random.normal(jax.random.key(9), (5, 64), jnp.float32).astype(jnp.bfloat16)
     for kwargs in (dict(), dict(norm_K=norm_K), dict(norm_K=norm_K, gated=True), dict(out_dtype=jnp.float32),
-                   dict(columns=(16, 48))):
+                   dict(columns=(16, 48)), dict(residual_MN=residual), dict(norm_K=norm_K, residual_MN=residual)):
         out = matmul(x, w, config=config, interpret=True, **kwargs)
         assert_close(out, matmul_reference(x, w, **kwargs), jnp.bfloat16 if "out_dtype" not in kwargs else jnp.float32)
 
@@ -58,10 +60,12 @@ def test_column_range_is_that_slice():
     assert_close(out, matmul_reference(x, w[:, 13:37]), jnp.float32)
 
 
-def test_norm_prologue_is_the_models_rms_norm():
+def test_norm_prologue_is_the_models_rms_norm_with_and_without_splits():
     x, w, norm_K = operands(3, 4, 64, 32)
-    out = matmul(x, w, norm_K=norm_K, eps=1e-5, config=SMALL, interpret=True)
-    assert_close(out, jnp.matmul(rms_norm(x, norm_K, 1e-5), w), jnp.float32)
+    for splits in (1, 2):
+        config = MatmulConfig(block_m=16, block_n=16, block_k=16, splits=splits, num_stages=2)
+        out = matmul(x, w, norm_K=norm_K, eps=1e-5, config=config, interpret=True)
+        assert_close(out, jnp.matmul(rms_norm(x, norm_K, 1e-5), w), jnp.float32)
 
 
 def test_every_output_entry_is_written():
@@ -79,6 +83,8 @@ def test_every_output_entry_is_written():
     (dict(gated=True, n=5), "even number of columns"),
     (dict(columns=(4, 2)), "columns"),
     (dict(columns=(0, 9)), "columns"),
+    (dict(residual_MN=jnp.zeros((2, 7))), "residual_MN"),
+    (dict(residual_MN=jnp.zeros((2, 8), jnp.bfloat16)), "residual_MN"),
 ])
 def test_invalid_operands(kwargs, match):
     n = kwargs.pop("n", 8)
@@ -98,8 +104,8 @@ def test_invalid_config(field, value):
         MatmulConfig(**{field: value})
 
 
-QWEN3_8B = [(4096, 6144, False, True), (4096, 4096, False, False), (4096, 24576, True, True),
-            (12288, 4096, False, False), (4096, 151936, False, False)]
+QWEN3_8B = [(4096, 6144, False, True, False), (4096, 4096, False, False, True), (4096, 24576, True, True, False),
+            (12288, 4096, False, False, True), (4096, 151936, False, False, False)]  # K, N, gated, norm, residual
 
 
 @pytest.mark.parametrize("capability", sorted(configs.MATMUL_POLICIES))
@@ -108,18 +114,19 @@ def test_every_policy_lowers_to_valid_triton_ir_at_qwen3_shapes(capability, m):
     """The configs of every GPU generation at Qwen3-8B's projections lower to Triton IR that the MLIR
     verifier accepts (no GPU needed)."""
     S = jax.ShapeDtypeStruct
-    for k, n, gated, norm in QWEN3_8B:
+    for k, n, gated, norm, residual in QWEN3_8B:
         config = matmul_config(configs.matmul_policy(capability), m, k, n, gated)
-        args = (S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16), S((k,), jnp.bfloat16) if norm else None)
-        fn = lambda x, w, nw, gated=gated, config=config, n=n: _matmul(  # noqa: E731
-            x, w, nw, eps=1e-6, gated=gated, out_dtype=jnp.dtype(jnp.bfloat16), columns=(0, n), config=config,
+        args = (S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16), S((k,), jnp.bfloat16) if norm else None,
+                S((m, n), jnp.bfloat16) if residual else None)
+        fn = lambda x, w, nw, res, gated=gated, config=config, n=n: _matmul(  # noqa: E731
+            x, w, nw, res, eps=1e-6, gated=gated, out_dtype=jnp.dtype(jnp.bfloat16), columns=(0, n), config=config,
             interpret=False)
         assert len(verified_triton_modules(fn, *args)) == 1
 
 
 def test_config_splits_k_until_the_grid_is_full():
     policy = configs.matmul_policy((9, 0))
-    for k, n, gated, _ in QWEN3_8B:
+    for k, n, gated, *_ in QWEN3_8B:
         config = matmul_config(policy, 1, k, n, gated)
         columns = (n // 2 if gated else n) // config.block_n
         assert config.block_m == 16 and config.splits >= 1

@@ -37,11 +37,12 @@ def layer_shape(config) -> LayerShape:
     return LayerShape(**{f.name: getattr(config, f.name) for f in dataclasses.fields(LayerShape)})
 
 
-def project(matmul, x_BNK, w_KN, **kwargs):
+def project(matmul, x_BNK, w_KN, *, residual_BNM=None, **kwargs):
     """``matmul`` (a `kernels.matmul_fn`, see ``matmul_reference`` for ``kwargs``) over the rows of
-    ``x [B, N, K]``: ``[B, N, *]``."""
+    ``x [B, N, K]``, plus ``residual [B, N, M]`` if given: ``[B, N, M]``."""
     batch, num = x_BNK.shape[:2]
-    return matmul(x_BNK.reshape(batch * num, -1), w_KN, **kwargs).reshape(batch, num, -1)
+    residual_MN = None if residual_BNM is None else residual_BNM.reshape(batch * num, -1)
+    return matmul(x_BNK.reshape(batch * num, -1), w_KN, residual_MN=residual_MN, **kwargs).reshape(batch, num, -1)
 
 
 def rope(x_BNHD, positions_BN, theta):
@@ -94,10 +95,11 @@ def attention_inputs(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape
 
 def layer_output(layer: DecoderLayer, x_BND, attn_BNHD, shape: LayerShape, matmul=matmul_reference):
     """The rest of a decoder layer after attention: output projection and residual, then the
-    SwiGLU MLP (its norm the gate/up product's prologue, SwiGLU its epilogue) and residual."""
-    x_BND = x_BND + project(matmul, attn_BNHD.reshape(*x_BND.shape[:2], -1), layer.wo)
+    SwiGLU MLP (its norm the gate/up product's prologue, SwiGLU its epilogue) and residual (each
+    residual add the epilogue of its product)."""
+    x_BND = project(matmul, attn_BNHD.reshape(*x_BND.shape[:2], -1), layer.wo, residual_BNM=x_BND)
     h_BNI = project(matmul, x_BND, layer.w_gate_up, norm_K=layer.post_norm, eps=shape.rms_norm_eps, gated=True)
-    return x_BND + project(matmul, h_BNI, layer.w_down)
+    return project(matmul, h_BNI, layer.w_down, residual_BNM=x_BND)
 
 
 def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads: bool = True):
