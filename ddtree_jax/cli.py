@@ -11,9 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-ASSETS = Path(__file__).parent / "assets"
-DEFAULT_TARGET = ASSETS / "target"
-DEFAULT_DRAFTER = ASSETS / "drafter"
+from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR
 
 
 def _add_generate(sub) -> None:
@@ -39,8 +37,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto",
                    help="tree sampling: the fused Pallas kernel on a supported GPU without --tp/--dp (auto) "
                         "or the jnp path")
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, help="HF-format target directory")
-    p.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER, help="HF-format DFlash drafter directory")
+    p.add_argument("--target", type=Path, default=TARGET_DIR, help="HF-format target directory")
+    p.add_argument("--drafter", type=Path, default=DRAFTER_DIR, help="HF-format DFlash drafter directory")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="compute dtype; auto = float32 on CPU, bfloat16 on accelerators")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
@@ -144,12 +142,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    from ddtree_jax import sweep  # imports this module's defaults
+    from ddtree_jax.experiments import bench, sweep
 
     sweep.add_arguments(sub.add_parser("sweep", help="sweep AR, chain and DDTree over a grid of settings to CSV",
                                        description=sweep.__doc__.splitlines()[0]))
-    from ddtree_jax import bench
-
     bench.add_arguments(sub.add_parser("bench", help="time a DDTree round's parts against decoding and the roofline",
                                        description=bench.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)

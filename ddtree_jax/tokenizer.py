@@ -11,10 +11,11 @@ from pathlib import Path
 
 import tokenizers
 
+from ddtree_jax.assets import TOKENIZER_PATH
+
 EOT_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|MASK|>"
 SPECIAL_TOKENS = (EOT_TOKEN, MASK_TOKEN)
-DEFAULT_PATH = Path(__file__).parent / "assets" / "tokenizer.json"
 
 
 class Tokenizer:
@@ -40,7 +41,7 @@ class Tokenizer:
     @classmethod
     def default(cls) -> Tokenizer:
         """The tokenizer shipped in `ddtree_jax/assets/tokenizer.json`."""
-        return cls.from_file(DEFAULT_PATH)
+        return cls.from_file(TOKENIZER_PATH)
 
     def encode(self, text: str) -> list[int]:
         """`text` -> token ids; special-token strings in `text` map to their ids."""

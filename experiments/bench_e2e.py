@@ -1,6 +1,6 @@
 """Where a DDTree round's time goes, side by side with plain decoding and the HBM roofline.
 
-The same benchmark as ``ddtree bench`` (see ``ddtree_jax/bench.py`` for what it measures):
+The same benchmark as ``ddtree bench`` (see ``ddtree_jax/experiments/bench.py`` for what it measures):
 
     python experiments/bench_e2e.py --embedded --out experiments/results/bench_e2e.json
     python experiments/bench_e2e.py --shapes tiny --contexts 64 --budgets 4,8 --repeats 2   # CPU check
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_jax.bench import main  # noqa: E402
+from ddtree_jax.experiments.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

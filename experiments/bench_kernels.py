@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import profiling
-from ddtree_jax.bench import interleaved_ms, median_ms
+from ddtree_jax.experiments import profiling
+from ddtree_jax.experiments.bench import interleaved_ms, median_ms
 from ddtree_jax.tree import build_tree, tree_positions
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels import configs
@@ -230,7 +230,7 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, p
     """Fused sampling (one implementation per ``(block_v, num_warps, num_stages, stats_blocks, parallel_rows)`` of
     ``fused_configs``) vs the jnp path on ``(budget, batch, params name)`` cases (``budget_s`` as
     in ``bench_attention``). ``profile``: also record where each fused call's device time goes
-    (``ddtree_jax.profiling``)."""
+    (``ddtree_jax.experiments.profiling``)."""
     impls = {fused_name(c, len(fused_configs)): functools.partial(
                  tree_sample, backend="triton", block_v=c[0], num_warps=c[1], num_stages=c[2], stats_blocks=c[3],
                  parallel_rows=c[4])

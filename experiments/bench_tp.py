@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ddtree_jax import bench, engine, sharding  # noqa: E402
+from ddtree_jax import engine, sharding
+from ddtree_jax.experiments import bench  # noqa: E402
 
 
 def check_tokens(target, drafter, tps, args) -> dict:
@@ -98,7 +99,8 @@ def _ints(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="qwen3-8b,qwen3-32b", help="comma-separated names of ddtree_jax.bench.SHAPES")
+    ap.add_argument("--shapes", default="qwen3-8b,qwen3-32b",
+                    help="comma-separated names of ddtree_jax.experiments.bench.SHAPES")
     ap.add_argument("--no-tp1", default="qwen3-32b", help="shapes whose token check skips tp = 1")
     ap.add_argument("--tps", type=_ints, default=[1, 2, 4, 8], help="tp sizes of the latency table")
     ap.add_argument("--check-tps", type=_ints, default=[1, 8], help="tp sizes whose greedy tokens must agree")

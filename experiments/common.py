@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ddtree_jax.bench import median_ms  # noqa: F401  (re-exported for the bench scripts)
-from ddtree_jax.tokenizer import DEFAULT_PATH, Tokenizer
+from ddtree_jax.assets import TOKENIZER_PATH
+from ddtree_jax.experiments.bench import median_ms  # noqa: F401  (re-exported for the bench scripts)
+from ddtree_jax.tokenizer import Tokenizer
 
 
 def print_device_info() -> None:
@@ -128,5 +129,5 @@ def copy_tokenizer(tokenizer_path: Path, out: Path) -> None:
 
 def load_tokenizer(path: Path | None) -> tuple[Tokenizer, Path]:
     """The tokenizer at `path` (default: the packaged one) and the file it came from."""
-    path = DEFAULT_PATH if path is None else Path(path)
+    path = TOKENIZER_PATH if path is None else Path(path)
     return Tokenizer.from_file(path), path

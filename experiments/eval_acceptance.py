@@ -23,11 +23,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from ddtree_jax import corpus  # noqa: E402
+from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from ddtree_jax.checkpoint import load_drafter, load_target  # noqa: E402
-from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
 from ddtree_jax.engine import generate  # noqa: E402
-from ddtree_jax.stats import bootstrap_ci, per_request_tau  # noqa: E402
+from ddtree_jax.experiments import corpus  # noqa: E402
+from ddtree_jax.experiments.stats import bootstrap_ci, per_request_tau  # noqa: E402
 from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -67,8 +67,8 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path, default=DEFAULT_TARGET)
-    ap.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
+    ap.add_argument("--target", type=Path, default=TARGET_DIR)
+    ap.add_argument("--drafter", type=Path, default=DRAFTER_DIR)
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)

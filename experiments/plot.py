@@ -33,8 +33,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax.stats import bootstrap_ci, paired_bootstrap_diff  # noqa: E402
-from ddtree_jax.sweep import CELL_FIELDS, cell_of, read_rows  # noqa: E402
+from ddtree_jax.experiments.stats import bootstrap_ci, paired_bootstrap_diff  # noqa: E402
+from ddtree_jax.experiments.sweep import CELL_FIELDS, cell_of, read_rows  # noqa: E402
 
 BASE = dict(top_p=1.0, top_k=0, draft_temperature=1.0)
 

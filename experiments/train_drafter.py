@@ -31,8 +31,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from ddtree_jax import corpus
 from ddtree_jax.checkpoint import load_target, save_drafter
+from ddtree_jax.experiments import corpus
 from ddtree_jax.models.cache import commit, init_cache
 from ddtree_jax.models.dflash import (
     DFlashConfig,

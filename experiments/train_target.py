@@ -30,8 +30,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from ddtree_jax import corpus
 from ddtree_jax.checkpoint import save_target
+from ddtree_jax.experiments import corpus
 from ddtree_jax.models.qwen3 import (
     Qwen3Config,
     Target,

@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from ddtree_jax import corpus
-from ddtree_jax.tokenizer import DEFAULT_PATH, SPECIAL_TOKENS, Tokenizer
+from ddtree_jax.assets import TOKENIZER_PATH
+from ddtree_jax.experiments import corpus
+from ddtree_jax.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 
 def train_bpe(texts: list[str], vocab_size: int, min_frequency: int) -> tokenizers.Tokenizer:
@@ -42,7 +43,7 @@ def main(argv=None) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, help="total, special tokens included")
     p.add_argument("--min-frequency", type=int, default=2)
     p.add_argument("--max-files", type=int, default=None, help="first N train files (quick runs)")
-    p.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    p.add_argument("--out", type=Path, default=TOKENIZER_PATH)
     args = p.parse_args(argv)
     if not 512 <= args.vocab_size <= 65536:
         raise ValueError(f"--vocab-size must be in [512, 65536], got {args.vocab_size}")

@@ -34,8 +34,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ddtree_jax as dd  # noqa: E402
-from ddtree_jax import corpus  # noqa: E402
-from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
+from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+from ddtree_jax.experiments import corpus  # noqa: E402
 from ddtree_jax.models import target_forward_nocache  # noqa: E402
 from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -44,8 +44,8 @@ OUT = Path(os.environ.get("DDTREE_NOTEBOOK_OUT", ROOT / "notebooks" / "figures")
 OUT.mkdir(parents=True, exist_ok=True)
 BUDGET = 10 if SMALL else 24
 
-target, drafter = dd.load_target(DEFAULT_TARGET, jnp.float32), dd.load_drafter(DEFAULT_DRAFTER, jnp.float32)
-tok = Tokenizer.from_file(DEFAULT_TARGET / "tokenizer.json")
+target, drafter = dd.load_target(TARGET_DIR, jnp.float32), dd.load_drafter(DRAFTER_DIR, jnp.float32)
+tok = Tokenizer.from_file(TARGET_DIR / "tokenizer.json")
 prompt = corpus.heldout_prompts(tok, 1, 48, seed=3)[0]
 print(tok.decode(prompt))
 

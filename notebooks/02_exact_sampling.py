@@ -42,8 +42,8 @@ import numpy as np  # noqa: E402
 from jax.scipy.special import gammaincc  # noqa: E402
 
 import ddtree_jax as dd  # noqa: E402
-from ddtree_jax import corpus  # noqa: E402
-from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
+from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+from ddtree_jax.experiments import corpus  # noqa: E402
 from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
 
 SMALL = os.environ.get("DDTREE_NOTEBOOK_SMALL") == "1"
@@ -55,8 +55,8 @@ CHUNK = 1000
 ROUND_SAMPLING = dict(temperature=0.8)
 SEQUENCE_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)
 
-target, drafter = dd.load_target(DEFAULT_TARGET, jnp.float32), dd.load_drafter(DEFAULT_DRAFTER, jnp.float32)
-tok = Tokenizer.from_file(DEFAULT_TARGET / "tokenizer.json")
+target, drafter = dd.load_target(TARGET_DIR, jnp.float32), dd.load_drafter(DRAFTER_DIR, jnp.float32)
+tok = Tokenizer.from_file(TARGET_DIR / "tokenizer.json")
 prompt = corpus.heldout_prompts(tok, 1, 24, seed=5)[0]
 print(repr(tok.decode(prompt)))
 

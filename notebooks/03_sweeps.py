@@ -29,7 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax.sweep import read_rows  # noqa: E402
+from ddtree_jax.experiments.sweep import read_rows  # noqa: E402
 from experiments import plot  # noqa: E402
 
 OUT = Path(os.environ.get("DDTREE_NOTEBOOK_OUT", ROOT / "notebooks" / "figures"))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dd
-from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR
 from ddtree_jax.tokenizer import Tokenizer
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -21,19 +21,19 @@ DRAFTER_SLOT0_LOGITS_0_4 = [10.2546, -6.4472, 3.2255, 1.7384]
 
 @pytest.fixture(scope="module")
 def pair():
-    return dd.load_target(DEFAULT_TARGET, jnp.float32), dd.load_drafter(DEFAULT_DRAFTER, jnp.float32)
+    return dd.load_target(TARGET_DIR, jnp.float32), dd.load_drafter(DRAFTER_DIR, jnp.float32)
 
 
 def test_assets_are_small_and_complete():
-    files = [p for p in Path(DEFAULT_TARGET).parent.rglob("*") if p.is_file()]
-    names = {p.relative_to(Path(DEFAULT_TARGET).parent).as_posix() for p in files}
+    files = [p for p in Path(TARGET_DIR).parent.rglob("*") if p.is_file()]
+    names = {p.relative_to(Path(TARGET_DIR).parent).as_posix() for p in files}
     assert {"target/config.json", "target/model.safetensors", "target/tokenizer.json",
             "drafter/config.json", "drafter/model.safetensors"} <= names
     assert sum(p.stat().st_size for p in files) <= 25 * 2**20
 
 
 def test_tokenizer_encodes_the_reference_prompt():
-    assert Tokenizer.from_file(Path(DEFAULT_TARGET) / "tokenizer.json").encode(PROMPT) == PROMPT_IDS
+    assert Tokenizer.from_file(Path(TARGET_DIR) / "tokenizer.json").encode(PROMPT) == PROMPT_IDS
 
 
 def test_target_reproduces_reference_logits(pair):

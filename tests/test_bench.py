@@ -1,4 +1,4 @@
-"""`ddtree bench` (ddtree_jax.bench) end to end on tiny shapes and the embedded pair, and its bad input."""
+"""`ddtree bench` (ddtree_jax.experiments.bench) end to end on tiny shapes and the embedded pair, and its bad input."""
 
 import json
 

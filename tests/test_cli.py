@@ -1,9 +1,12 @@
 """The ddtree command line on the embedded pair."""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 
+import ddtree_jax
 from ddtree_jax.cli import main
 
 
@@ -40,3 +43,24 @@ def test_greedy_methods_agree_through_the_cli(capsys):
 def test_bad_flags_exit_with_a_message(argv, message):
     with pytest.raises(SystemExit, match=message):
         main(["generate", "--max-new-tokens", "4", *argv])
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_the_runtime_does_not_import_the_experiment_drivers():
+    """Nothing imports the CLI (the default asset paths live in ``ddtree_jax.assets``), and the runtime
+    never imports ``ddtree_jax.experiments`` at import time (the CLI does, inside ``main``)."""
+    root = Path(ddtree_jax.__file__).parent
+    for path in root.rglob("*.py"):
+        imports = _top_level_imports(path)
+        assert not any(n.startswith("ddtree_jax.cli") for n in imports), path
+        if "experiments" not in path.relative_to(root).parts:
+            assert not any(n.startswith("ddtree_jax.experiments") for n in imports), path

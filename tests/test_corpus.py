@@ -3,7 +3,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddtree_jax import corpus
+from ddtree_jax.experiments import corpus
 from ddtree_jax.tokenizer import Tokenizer
 
 # Computed once from the rule (sha256 of the relative path, first 8 bytes mod 1000 < 20);

@@ -1,10 +1,10 @@
-"""Device-op profiles (ddtree_jax.profiling): kinds, per-line sums, and a real trace on the CPU."""
+"""Device-op profiles (ddtree_jax.experiments.profiling): kinds, per-line sums, and a real trace on the CPU."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from ddtree_jax import profiling
+from ddtree_jax.experiments import profiling
 
 
 @pytest.mark.parametrize("name, kind", [

@@ -42,7 +42,9 @@ def runs(tmp_path_factory):
     """``(unsharded reference per model, sharded results per case)``, see `sharded_check.run_case`."""
     out = tmp_path_factory.mktemp("sharded")
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    # the workers import the same checkout as this process, not whichever one is installed
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     script = str(Path(__file__).with_name("sharded_check.py"))
     procs = [subprocess.Popen([sys.executable, script, str(out / f"{i}.json"), *cases], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i, cases in enumerate(WORKERS)]

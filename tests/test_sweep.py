@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from ddtree_jax import cli
-from ddtree_jax.stats import paired_bootstrap_diff
-from ddtree_jax.sweep import COLUMNS, Grid, Settings, cell_of, grid_cells, read_rows, run_sweep
+from ddtree_jax.experiments.stats import paired_bootstrap_diff
+from ddtree_jax.experiments.sweep import COLUMNS, Grid, Settings, cell_of, grid_cells, read_rows, run_sweep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments import plot  # noqa: E402

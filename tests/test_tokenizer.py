@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree_jax import corpus
-from ddtree_jax.tokenizer import DEFAULT_PATH, Tokenizer
+from ddtree_jax.assets import TOKENIZER_PATH
+from ddtree_jax.experiments import corpus
+from ddtree_jax.tokenizer import Tokenizer
 
 TRICKY = [
     "",
@@ -57,7 +58,7 @@ def test_learnt_merges_compress_code(tok):
 
 
 def test_asset_is_small_and_encode_batch_matches(tok):
-    assert DEFAULT_PATH.stat().st_size < 1_000_000
+    assert TOKENIZER_PATH.stat().st_size < 1_000_000
     texts = TRICKY[2:6]
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
 

@@ -10,10 +10,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddtree_jax.assets import TOKENIZER_PATH
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.models.dflash import DFlashConfig, drafter_logits, init_drafter
 from ddtree_jax.models.qwen3 import Qwen3Config, init_target, target_logits
-from ddtree_jax.tokenizer import DEFAULT_PATH, Tokenizer
+from ddtree_jax.tokenizer import Tokenizer
 from experiments import common, train_drafter, train_target
 
 V, MASK = 64, 1
@@ -130,7 +131,7 @@ def test_scripts_end_to_end(tmp_path):
         np.exp(metrics["heldout_loss"]))
     assert json.loads((target_dir / "metrics.json").read_text())["heldout_loss"] == metrics["heldout_loss"]
     assert (target_dir / "loss.png").stat().st_size > 0
-    assert (target_dir / "tokenizer.json").read_bytes() == DEFAULT_PATH.read_bytes()
+    assert (target_dir / "tokenizer.json").read_bytes() == TOKENIZER_PATH.read_bytes()
 
     metrics = train_drafter.main(["--tiny", "--data", "generations", "--target", str(target_dir),
                                   "--out", str(drafter_dir)])

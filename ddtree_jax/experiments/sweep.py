@@ -33,12 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from ddtree_jax import corpus
+from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR, TOKENIZER_PATH
 from ddtree_jax.checkpoint import load_drafter, load_target
-from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ddtree_jax.engine import METHODS, generate
-from ddtree_jax.stats import per_request_tau
-from ddtree_jax.tokenizer import DEFAULT_PATH as DEFAULT_TOKENIZER
+from ddtree_jax.experiments import corpus
+from ddtree_jax.experiments.stats import per_request_tau
 from ddtree_jax.tokenizer import Tokenizer
 
 
@@ -250,14 +249,14 @@ def run_sweep(grid: Grid, settings: Settings, out: str | Path, *, tokenizer: str
     encodes the held-out prompts. ``restart`` discards an existing CSV instead of resuming it.
     """
     out = Path(out)
-    target_dir = DEFAULT_TARGET if settings.target == EMBEDDED else Path(settings.target)
-    drafter_dir = DEFAULT_DRAFTER if settings.drafter == EMBEDDED else Path(settings.drafter)
+    target_dir = TARGET_DIR if settings.target == EMBEDDED else Path(settings.target)
+    drafter_dir = DRAFTER_DIR if settings.drafter == EMBEDDED else Path(settings.drafter)
     for name, path in (("target", target_dir), ("drafter", drafter_dir)):
         if not (path / "config.json").is_file():
             raise ValueError(f"{name} {str(path)!r} is not an HF-format model directory (no config.json)")
     if tokenizer is None:
         tokenizer = target_dir / "tokenizer.json"
-        tokenizer = tokenizer if tokenizer.is_file() else DEFAULT_TOKENIZER
+        tokenizer = tokenizer if tokenizer.is_file() else TOKENIZER_PATH
     dtype = jnp.dtype(settings.dtype)
     target, drafter = load_target(target_dir, dtype), load_drafter(drafter_dir, dtype)
     cells = grid_cells(grid, depth=drafter.config.block_size - 1)
@@ -321,9 +320,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the held-out prompt choice")
     parser.add_argument("--seed", type=int, default=0, help="sampling key seed")
     parser.add_argument("--batch", type=int, default=64, help="prompts per generate call")
-    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET,
+    parser.add_argument("--target", type=Path, default=TARGET_DIR,
                         help="HF-format target directory (default: the embedded one)")
-    parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER,
+    parser.add_argument("--drafter", type=Path, default=DRAFTER_DIR,
                         help="HF-format DFlash drafter directory (default: the embedded one)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the target's, else the packaged one)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -343,8 +342,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     try:
         grid = Grid(**{name: get(name) for name in GRID_FLAGS}, cross_truncation=args.cross_truncation)
-        settings = Settings(target=_model_name(args.target, DEFAULT_TARGET),
-                            drafter=_model_name(args.drafter, DEFAULT_DRAFTER), dtype=dtype, prompts=get("prompts"),
+        settings = Settings(target=_model_name(args.target, TARGET_DIR),
+                            drafter=_model_name(args.drafter, DRAFTER_DIR), dtype=dtype, prompts=get("prompts"),
                             prompt_tokens=get("prompt_tokens"), new_tokens=get("new_tokens"),
                             prompt_seed=args.prompt_seed, seed=args.seed, batch=args.batch)
         out = Path(get("out"))

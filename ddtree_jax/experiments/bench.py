@@ -8,7 +8,7 @@ zero-filled to the given context length: a round's cost does not depend on the c
 ``--mesh-check`` also times the round under a one-device ``("dp", "tp")`` mesh next to the same
 round without one (both on the XLA attention path, which XLA partitions itself). ``--profile``
 traces the decode step and the first budget's round and sums their device ops by kind (matmuls,
-the Pallas kernels, data movement, the rest; `ddtree_jax.profiling`).
+the Pallas kernels, data movement, the rest; `ddtree_jax.experiments.profiling`).
 Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree on the embedded pair, with the
 speedup over AR measured in the same process.
 
@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import engine, profiling, sharding
+from ddtree_jax import engine, sharding
+from ddtree_jax.experiments import profiling
 from ddtree_jax.models import (
     DFlashConfig, KVCache, Qwen3Config, commit, drafter_forward, init_cache, init_drafter, init_target,
     target_forward,
@@ -278,14 +279,14 @@ def bench_shapes(args, emit) -> None:
 
 def bench_embedded(args, emit) -> None:
     """Part 2: AR, chain and DDTree (B = 64) on the embedded pair; calls ``emit(row)`` per run."""
-    from ddtree_jax import corpus
+    from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR
     from ddtree_jax.checkpoint import load_drafter, load_target
-    from ddtree_jax.cli import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from ddtree_jax.experiments import corpus
     from ddtree_jax.tokenizer import Tokenizer
 
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    target, drafter = load_target(DEFAULT_TARGET, dtype), load_drafter(DEFAULT_DRAFTER, dtype)
-    tokenizer = Tokenizer.from_file(DEFAULT_TARGET / "tokenizer.json")
+    target, drafter = load_target(TARGET_DIR, dtype), load_drafter(DRAFTER_DIR, dtype)
+    tokenizer = Tokenizer.from_file(TARGET_DIR / "tokenizer.json")
     prompts = corpus.heldout_prompts(tokenizer, max(args.embedded_batches), 64, seed=0)
     for batch in args.embedded_batches:
         for temperature in (0.0, 1.0):
