@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ddtree_jax.bench import SHAPES, make_models, median_ms, streamed_bytes  # noqa: E402
-from ddtree_jax import profiling  # noqa: E402
+from ddtree_jax.experiments import profiling  # noqa: E402
+from ddtree_jax.experiments.bench import SHAPES, make_models, median_ms, streamed_bytes  # noqa: E402
 from ddtree_jax.models import KVCache, drafter_forward, init_cache, target_forward  # noqa: E402
 
 COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION",
