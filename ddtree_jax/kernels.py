@@ -15,9 +15,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the s
   ============  =======================================================  =========
   attention     pallas when ``head_dim`` is a power of two >= 16 and       xla
                 q/k/v share a float dtype (`tree_attention.kernel_supports`)
-  matmul        pallas (the skinny matmul) without a mesh for products of  xla
-                at most ``max_rows`` rows of bf16/fp16 (`matmul_supports`);
-                xla above (compute-bound) and under a mesh
+  matmul        xla: XLA's own Triton GEMMs streamed the decode step's     xla
+                weights faster than the skinny-matmul kernel at every
+                Qwen3-8B projection but one on an H200 (BENCHMARKS.md)
   sampler       pallas without a mesh; xla under a mesh (XLA partitions    xla
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========
@@ -97,30 +97,24 @@ def _where_supported(kernel):
 def matmul_fn(impl: str, mesh: Mesh | None = None):
     """The projection of ``impl`` (see the module docstring), with the signature of
     ``matmul_reference``: ``fn(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None,
-    columns=None, residual_MN=None)``. Under a ``mesh``, ``auto`` is XLA (which partitions the reference; the kernel is
-    not wrapped in ``shard_map``)."""
+    columns=None, residual_MN=None)``. ``auto`` is XLA everywhere (measured); ``"pallas"`` is the
+    skinny-matmul kernel, tiled by the device's `configs.matmul_policy`; it is not partitioned, so
+    under a ``mesh`` only the XLA path runs."""
     impl = check_impl("matmul_impl", impl)
-    if impl == "xla" or (impl == "auto" and (mesh is not None or not pallas_gpu())):
+    if impl in ("xla", "auto"):
         return matmul_reference
+    if mesh is not None:
+        raise ValueError(f"matmul_impl={impl!r} does not run under a mesh (the kernel is not partitioned); "
+                         f"use 'auto' or 'xla'")
     policy = configs.matmul_policy(_kernel_capability(impl))
 
-    def product(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None, residual_MN=None):
-        kwargs = dict(norm_K=norm_K, eps=eps, gated=gated, out_dtype=out_dtype, columns=columns,
-                      residual_MN=residual_MN)
-        if impl == "auto" and not matmul_supports(x_MK, w_KN, policy.max_rows):
-            return matmul_reference(x_MK, w_KN, **kwargs)
+    def product(x_MK, w_KN, *, columns=None, gated=False, **kwargs):
         m, k = x_MK.shape
         n = w_KN.shape[1] if columns is None else columns[1] - columns[0]
-        return matmul(x_MK, w_KN, config=configs.matmul_config(policy, m, k, n, gated), interpret=impl == "interpret",
-                      **kwargs)
+        return matmul(x_MK, w_KN, columns=columns, gated=gated, config=configs.matmul_config(policy, m, k, n, gated),
+                      interpret=impl == "interpret", **kwargs)
 
     return product
-
-
-def matmul_supports(x_MK, w_KN, max_rows: int) -> bool:
-    """Whether ``auto`` gives this product to the kernel: bf16/fp16 operands, at most ``max_rows``
-    rows (beyond, the product is compute-bound and XLA's GEMMs are the measured choice)."""
-    return x_MK.shape[0] <= max_rows and x_MK.dtype == w_KN.dtype and x_MK.dtype in (jnp.bfloat16, jnp.float16)
 
 
 def shard_attention(attend_fn, mesh: Mesh, *, split_heads: bool):

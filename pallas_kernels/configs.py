@@ -150,30 +150,31 @@ class MatmulConfig:
 class MatmulPolicy:
     """How the skinny matmul is tiled on one GPU generation (see `matmul_config`).
 
-    ``block_n``/``block_k``: weight tile for ``block_m <= 32`` (rows of ``x``); larger row blocks
-    take ``block_k`` down so that ``num_stages`` tiles of ``x`` and ``w`` fit ``smem_bytes``.
-    ``min_programs``: K is split until the grid has at least this many programs. ``max_rows``:
-    above this many rows ``auto`` leaves the product to XLA (it becomes compute-bound and XLA's
-    tuned GEMMs win). ``measured``: whether the entry was tuned on that hardware.
+    ``block_n``/``block_k``: weight tile for small row blocks; larger row blocks take ``block_k``
+    down so that ``num_stages`` tiles of ``x`` and ``w`` fit ``smem_bytes``. ``min_programs``: K is
+    split until the grid has at least this many programs. ``measured``: whether the entry was tuned
+    on that hardware.
     """
 
     block_n: int = 64
-    block_k: int = 256
+    block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     min_programs: int = 256
-    max_rows: int = 128
     smem_bytes: int = 99 * 1024
     measured: bool = False
 
 
+# (9, 0): the fastest of a 32-config sweep at Qwen3-8B's projections, M = 1 and 16, on an H200
+# (experiments/bench_matmul.py --sweep; BENCHMARKS.md). The Blackwell entries scale its program
+# target by the SM count and, for sm_120, keep tiles that fit its ~100 KB of shared memory.
 MATMUL_POLICIES: dict[tuple[int, int], MatmulPolicy] = {
     (8, 0): MatmulPolicy(),
-    (9, 0): MatmulPolicy(block_n=64, block_k=256, num_warps=4, num_stages=4, min_programs=528, max_rows=128,
-                         smem_bytes=200 * 1024),
-    (10, 0): MatmulPolicy(block_n=64, block_k=256, num_warps=4, num_stages=4, min_programs=592, max_rows=128,
+    (9, 0): MatmulPolicy(block_n=128, block_k=128, num_warps=4, num_stages=3, min_programs=528,
+                         smem_bytes=200 * 1024, measured=True),
+    (10, 0): MatmulPolicy(block_n=128, block_k=128, num_warps=4, num_stages=3, min_programs=592,
                           smem_bytes=200 * 1024),
-    (12, 0): MatmulPolicy(block_n=64, block_k=128, num_warps=4, num_stages=3, min_programs=752, max_rows=64),
+    (12, 0): MatmulPolicy(block_n=64, block_k=128, num_warps=4, num_stages=3, min_programs=752),
 }
 
 

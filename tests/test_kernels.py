@@ -65,3 +65,19 @@ def test_interpreted_kernel_equals_the_reference():
 def test_unknown_impl_names_the_switch(impl):
     with pytest.raises(ValueError, match="attention_impl must be one of"):
         kernels.attention_fn(impl)
+
+
+def test_auto_matmul_is_xla_even_on_hopper(hopper):
+    from pallas_kernels.matmul_reference import matmul_reference
+
+    assert kernels.matmul_fn("auto") is matmul_reference
+    assert kernels.matmul_fn("xla") is matmul_reference
+
+
+def test_the_matmul_kernel_refuses_a_mesh():
+    from ddtree_jax.sharding import make_mesh
+
+    with pytest.raises(ValueError, match="does not run under a mesh"):
+        kernels.matmul_fn("pallas", make_mesh(1, 1))
+    with pytest.raises(ValueError, match="matmul_impl must be one of"):
+        kernels.matmul_fn("triton")
