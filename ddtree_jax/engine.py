@@ -151,15 +151,25 @@ class GenerateResult:
 def _sampler(impl: str, mesh: Mesh | None = None):
     """Step 5 behind the ``sampler_impl`` switch; all return the same `VerifyResult`.
 
-    ``"auto"``: the fused Pallas sampler on a CUDA GPU without a mesh (under a mesh XLA partitions the
-    jnp sampler; the kernel is not wrapped for shard_map), the jnp sampler elsewhere; ``"interpret"``:
-    the Pallas kernel interpreted, for tests.
+    ``"auto"``: the fused Pallas sampler on a CUDA GPU (compute capability 8.0 or newer) without a
+    mesh (under a mesh XLA partitions the jnp sampler; the kernel is not wrapped for shard_map), the
+    jnp sampler elsewhere; ``"pallas"``: the fused sampler compiled by Triton; ``"interpret"``: the
+    Pallas kernels interpreted, for tests.
     """
-    if impl == "xla" or (impl == "auto" and mesh is not None):
+    from pallas_kernels.configs import device_capability
+
+    on_cuda = jax.default_backend() == "gpu" and device_capability() >= (8, 0)
+    if impl == "xla" or (impl == "auto" and (mesh is not None or not on_cuda)):
         return verify_from_coins
+    from ddtree_jax.verify import result_from_path
     from pallas_kernels.tree_sampling import tree_sample
 
-    return functools.partial(tree_sample, backend="triton" if impl == "pallas" else impl)
+    def fused(tree, logits, coins, final_coins, temperature, top_k, top_p):
+        path = tree_sample(tree.tokens, tree.parents, logits, coins, final_coins, temperature, top_k, top_p,
+                           max_depth=tree.max_depth, interpret=impl == "interpret")
+        return result_from_path(*path, tree.tokens.shape[1])
+
+    return fused
 
 
 def _trivial_tree(root_B) -> DraftTree:
