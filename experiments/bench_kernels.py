@@ -320,7 +320,7 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, p
         records.append(row)
         report(records)
         print(row, flush=True)
-        print(format_sampling_row(row, list(impls)), flush=True)
+        print(format_sampling_row(row, [name for group in groups for name in group]), flush=True)
         del args, results
     return records
 

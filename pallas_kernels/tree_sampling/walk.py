@@ -31,7 +31,6 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.tree_sampling.boundary import streamed_boundary
 from pallas_kernels.tree_sampling.candidates import candidate_stats
-from pallas_kernels.tree_sampling.draw import Row, sampled_draw
 from pallas_kernels.tree_sampling.common import (
     INT_MIN,
     BlockStats,
@@ -50,6 +49,7 @@ from pallas_kernels.tree_sampling.common import (
     sub_size,
     when,
 )
+from pallas_kernels.tree_sampling.draw import Row, sampled_draw
 
 
 class Tree(NamedTuple):
