@@ -6,11 +6,11 @@ A floor holds when the kept set lies above it (at least k tokens reach it for to
 then 16 linear ones between the highest that holds and the one above it (``pass_floors``).
 Two ways find them, both in the program of one row:
 
-- from the sub-block maxima alone (``sub_block_candidates``), always tried first: the floor from
+- from the sub-block maxima alone (``_sub_block_candidates``), always tried first: the floor from
   the maxima (a sub-block max above a floor is a token above it), then the tokens of the "hot"
   sub-blocks whose max reaches it; no pass over the row. It leaves a row without candidates when
   no geometric floor holds by the maxima or more than ``capacity`` tokens reach the floor;
-- by the floor search over the whole row (``find_candidates`` with ``floor_search``), for the
+- by the floor search over the whole row (``_find_candidates`` with ``floor_search``), for the
   rows the maxima leave without, in the walk when there are more than ``parallel_rows`` node rows:
   one pass over the row per floor pass (refined linearly at most twice), then a compaction pass.
 
