@@ -36,10 +36,9 @@ from ddtree_jax.models.dflash import Drafter, append_context, check_pair, drafte
 from ddtree_jax.models.qwen3 import Target, target_forward
 from ddtree_jax.sampling import batch_probs, coins_from_keys, request_keys
 from ddtree_jax.tree import DraftTree, build_tree_unchecked, tree_attention_mask, tree_positions
-from ddtree_jax.verify import expected_acceptance, verify_from_coins
+from ddtree_jax.verify import expected_acceptance
 
 METHODS = ("ar", "chain", "ddtree")
-SAMPLER_IMPLS = ("auto", "xla", "pallas", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +51,7 @@ class RoundSpec:
     depth: int  # L, the drafter's block size - 1 (0 for AR)
     tap_layers: tuple[int, ...]
     attention_impl: str = "xla"  # one of kernels.IMPLS
-    sampler_impl: str = "xla"  # "xla" (verify_from_coins) | "pallas" (pallas_kernels.tree_sample) | "auto" (_sampler)
+    sampler_impl: str = "xla"  # one of kernels.IMPLS
     matmul_impl: str = "xla"  # one of kernels.IMPLS
 
     @property
@@ -148,20 +147,6 @@ class GenerateResult:
         }
 
 
-def _sampler(impl: str, mesh: Mesh | None = None):
-    """Step 5 behind the ``sampler_impl`` switch; all return the same `VerifyResult`.
-
-    ``"auto"``: the fused Pallas sampler on a CUDA GPU without a mesh (under a mesh XLA partitions the
-    jnp sampler; the kernel is not wrapped for shard_map), the jnp sampler elsewhere; ``"interpret"``:
-    the Pallas kernel interpreted, for tests.
-    """
-    if impl == "xla" or (impl == "auto" and mesh is not None):
-        return verify_from_coins
-    from pallas_kernels.tree_sampling import tree_sample
-
-    return functools.partial(tree_sample, backend="triton" if impl == "pallas" else impl)
-
-
 def _trivial_tree(root_B) -> DraftTree:
     """The AR "tree": the root alone."""
     batch = root_B.shape[0]
@@ -220,7 +205,7 @@ def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sa
     logits = sharding.gather_vocab(logits, mesh)
     keys = request_keys(key, request_ids, state.round)
     coins, final_coins = coins_from_keys(keys, spec.num_nodes)
-    res = _sampler(spec.sampler_impl, mesh)(tree, logits, coins, final_coins, sampling.temperature,
+    res = kernels.sampler_fn(spec.sampler_impl, mesh)(tree, logits, coins, final_coins, sampling.temperature,
                                             sampling.top_k, sampling.top_p)
     num_keep = jnp.where(live, res.num_accepted + 1, 0)
     target_cache = commit(target_cache, res.accept_index, num_keep)
@@ -306,8 +291,7 @@ def _resolve_impls(attention_impl: str, sampler_impl: str, matmul_impl: str) -> 
     """Validate the kernel switches (see `ddtree_jax.kernels`)."""
     kernels.check_impl("attention_impl", attention_impl)
     kernels.check_impl("matmul_impl", matmul_impl)
-    if sampler_impl not in SAMPLER_IMPLS:
-        raise ValueError(f"sampler_impl must be one of {SAMPLER_IMPLS}, got {sampler_impl!r}")
+    kernels.check_impl("sampler_impl", sampler_impl)
     return attention_impl, sampler_impl, matmul_impl
 
 
@@ -376,7 +360,7 @@ def generate(
         supported GPU (auto; per device inside ``shard_map`` with a ``mesh``), the XLA path, or the kernel
         run by the Pallas interpreter (slow, for tests).
       sampler_impl: ``"auto" | "xla" | "pallas"``: the fused Pallas tree sampler on a supported GPU
-        without a mesh (auto), the jnp sampler (elsewhere, or ``"xla"``), see `_sampler`.
+        without a mesh (auto), the jnp sampler (elsewhere, or ``"xla"``), see `ddtree_jax.kernels`.
       matmul_impl: the projections (``"auto" | "xla" | "pallas" | "interpret"``): the Pallas skinny
         matmul for the small products of decoding on a supported GPU without a mesh (auto), XLA
         elsewhere; see `ddtree_jax.kernels`.

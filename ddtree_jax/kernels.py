@@ -37,11 +37,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.sharding import cache_spec, tp_size
+from ddtree_jax.verify import result_from_path, verify_from_coins
 from pallas_kernels import configs
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.tree_attention import kernel_supports, tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
+from pallas_kernels.tree_sampling import SamplerConfig, tree_sample
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
 MIN_CAPABILITY = (8, 0)
@@ -115,6 +117,24 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
                       interpret=impl == "interpret", **kwargs)
 
     return product
+
+
+def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None = None):
+    """Step 5 of a round for ``impl`` (see the module docstring): ``fn(tree, logits_BNV, coins_BN,
+    final_coins_B, temperature_B, top_k_B, top_p_B) -> VerifyResult``, the same result for every
+    implementation. Under a ``mesh``, ``auto`` is the jnp walk (XLA partitions it; the kernel is not
+    wrapped in ``shard_map``). ``config``: the fused kernel's launch (default `SamplerConfig()`, the
+    measured one)."""
+    impl = check_impl("sampler_impl", impl)
+    if impl == "xla" or (impl == "auto" and (mesh is not None or not pallas_gpu())):
+        return verify_from_coins
+
+    def fused(tree, logits, coins, final_coins, temperature, top_k, top_p):
+        path = tree_sample(tree.tokens, tree.parents, logits, coins, final_coins, temperature, top_k, top_p,
+                           max_depth=tree.max_depth, config=config or SamplerConfig(), interpret=impl == "interpret")
+        return result_from_path(*path, tree.tokens.shape[1])
+
+    return fused
 
 
 def shard_attention(attend_fn, mesh: Mesh, *, split_heads: bool):

@@ -1,11 +1,8 @@
 """Target-side sampling distribution and per-request coin streams.
 
-Processing order (DESIGN.md §2): ``softmax(logits / T)`` -> keep the ``top_k`` most probable (``0`` =
-off) and renormalise -> keep the smallest most-probable set whose mass reaches ``top_p`` (``1`` =
-off) and renormalise. ``T = 0`` is greedy: a one-hot row at the argmax. "Most probable" orders
-tokens by descending ``logits / T`` with ties broken towards the smaller token id, so the kept set
-is always well defined; under top-p a token is kept iff the mass strictly before it is ``< top_p``.
-In float32, ``logits / T`` is computed as ``logits * (1 / T)`` (``inverse_temperature``).
+The target law (temperature, then top-k, then top-p; ``T = 0`` greedy) is specified, with
+``row_probs`` and ``inverse_temperature``, in ``pallas_kernels.tree_sampling.reference``; this module
+validates and batches it and derives each request's coins.
 """
 
 from __future__ import annotations
@@ -15,58 +12,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ddtree_jax import checks
+from pallas_kernels.tree_sampling.reference import inverse_temperature, row_probs
 
-
-def _filtered(z_RV: Float[Array, "R V"], top_k_R, top_p_R) -> Float[Array, "R V"]:
-    """Top-k then top-p filtered, renormalised ``softmax(z)`` (sorts each row once)."""
-    vocab = z_RV.shape[-1]
-    ids = jax.lax.broadcasted_iota(jnp.int32, z_RV.shape, 1)
-    # A stable one-key sort keeps equal logits in id order and lets XLA use a radix sort on GPU.
-    neg_z, ids_sorted = jax.lax.sort((-z_RV, ids), num_keys=1, is_stable=True)
-    p = jax.nn.softmax(-neg_z, axis=-1)
-    rank = jax.lax.broadcasted_iota(jnp.int32, z_RV.shape, 1)
-    k = jnp.where(top_k_R > 0, jnp.minimum(top_k_R, vocab), vocab)[:, None]
-    p = jnp.where(rank < k, p, 0.0)
-    p = p / jnp.sum(p, axis=-1, keepdims=True)
-    before = jnp.cumsum(p, axis=-1) - p
-    p = jnp.where((top_p_R[:, None] >= 1.0) | (before < top_p_R[:, None]), p, 0.0)
-    p = p / jnp.sum(p, axis=-1, keepdims=True)
-    rows = jax.lax.broadcasted_iota(jnp.int32, z_RV.shape, 0)
-    return jnp.zeros_like(p).at[rows, ids_sorted].set(p)
-
-
-def inverse_temperature(temperature):
-    """``1 / temperature`` in float32, and 1 where ``temperature <= 0`` (greedy).
-
-    Logits are scaled by this reciprocal rather than divided by the temperature: a product has
-    one rounding on every backend and in every kernel, while XLA on the CPU divides by a
-    broadcast scalar through its reciprocal and a scalar exactly, so quotients of the same
-    numbers could differ in the last bit between programs.
-    """
-    temperature = jnp.asarray(temperature, jnp.float32)
-    return 1.0 / jnp.where(temperature <= 0, 1.0, temperature)
-
-
-def row_probs(
-    logits_RV: Float[Array, "R V"],
-    temperature_R: Float[Array, " R"],
-    top_k_R: Int[Array, " R"],
-    top_p_R: Float[Array, " R"],
-) -> Float[Array, "R V"]:
-    """Processed float32 distribution of each row (no validation; see ``target_probs``).
-
-    The sort needed by top-k/top-p runs only when some row asks for it.
-    """
-    greedy = temperature_R <= 0
-    z = logits_RV.astype(jnp.float32) * inverse_temperature(temperature_R)[:, None]
-    needs_sort = jnp.any(~greedy & ((top_k_R > 0) | (top_p_R < 1.0)))
-    p = jax.lax.cond(
-        needs_sort,
-        lambda: _filtered(z, top_k_R, top_p_R),
-        lambda: jax.nn.softmax(z, axis=-1),
-    )
-    onehot = jax.nn.one_hot(jnp.argmax(logits_RV, axis=-1), z.shape[-1], dtype=jnp.float32)
-    return jnp.where(greedy[:, None], onehot, p)
+__all__ = ["batch_probs", "coins_from_keys", "inverse_temperature", "request_keys", "row_probs", "target_probs"]
 
 
 @jax.jit

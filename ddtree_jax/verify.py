@@ -1,24 +1,16 @@
 """Tree verification: greedy walk and exact tree rejection sampling ("target-only").
 
-One walk serves every case. From the root, at the current node with target row ``q`` and coin
-``c``, the children are visited in sibling order (ascending node index) accumulating
-``acc += q[token(child)]``; the first child with ``c <= acc`` is accepted and the walk continues
-from it with its own coin. When no child is accepted (or at a leaf, or after ``max_depth``
-acceptances) the final token is drawn from ``q`` with the rejected children's tokens removed,
-renormalised, by inverse CDF with the request's final coin. These are the semantics of sgl-kernel's
-``tree_speculative_sampling_target_only`` with both thresholds 1. Greedy verification is the same
-walk on one-hot rows (a one-hot row accepts exactly the child holding the argmax, and the final
-draw returns the argmax), which is how ``verify`` serves batches mixing greedy and sampled requests.
-
-The walk computes a target row only for the nodes it visits: ``max_depth + 1`` rows per request
-instead of ``N``.
+The walk itself (sgl-kernel's ``tree_speculative_sampling_target_only`` with both thresholds 1,
+greedy requests walking one-hot rows) is specified in ``pallas_kernels.tree_sampling.reference``,
+which returns the accepted path and the emitted tokens; this module validates the public
+entry points and turns a path into a ``VerifyResult`` (``result_from_path``), whichever
+implementation produced it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +18,9 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ddtree_jax import checks
-from ddtree_jax.sampling import coins_from_keys, request_keys, row_probs
+from ddtree_jax.sampling import coins_from_keys, request_keys
 from ddtree_jax.tree import DraftTree, ancestor_ids
+from pallas_kernels.tree_sampling import reference
 
 
 @functools.partial(
@@ -57,82 +50,17 @@ class VerifyResult:
     bonus: Int[Array, " B"]
 
 
-@dataclasses.dataclass(frozen=True)
-class _ProbRow:
-    """A batch of target rows given as probabilities ``q_BV``."""
-
-    q_BV: Float[Array, "B V"]
-
-    def mass(self, tokens_BN):
-        return jnp.take_along_axis(self.q_BV, tokens_BN, axis=1)
-
-    def draw(self, rejected_BN, tokens_BN, coin_B):
-        vocab = self.q_BV.shape[1]
-        rows = jnp.arange(tokens_BN.shape[0])[:, None]
-        drop = jnp.where(rejected_BN, tokens_BN, vocab)  # vocab = out of range, dropped
-        residual = self.q_BV.at[rows, drop].set(0.0, mode="drop")
-        residual = jnp.where(jnp.sum(residual, 1, keepdims=True) > 0, residual, self.q_BV)
-        cdf = jnp.cumsum(residual, axis=1)
-        return jnp.argmax(cdf >= coin_B[:, None] * cdf[:, -1:], axis=1).astype(jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ArgmaxRow:
-    """A batch of one-hot target rows given by their argmax token."""
-
-    argmax_B: Int[Array, " B"]
-
-    def mass(self, tokens_BN):
-        return (tokens_BN == self.argmax_B[:, None]).astype(jnp.float32)
-
-    def draw(self, rejected_BN, tokens_BN, coin_B):
-        return self.argmax_B
-
-
-def _walk(
-    tokens_BN: Int[Array, "B N"],
-    parents_BN: Int[Array, "B N"],
-    coins_BN: Float[Array, "B N"],
-    final_coins_B: Float[Array, " B"],
-    row_at: Callable[[Int[Array, " B"]], _ProbRow | _ArgmaxRow],
-    max_depth: int,
-) -> VerifyResult:
-    batch, n = tokens_BN.shape
-    rows = jnp.arange(batch)
-    node_ids = jnp.arange(n, dtype=jnp.int32)[None, :]
-
-    def children(cur):
-        return (parents_BN == cur[:, None]) & (node_ids > 0)
-
-    def step(t, state):
-        cur, active, accept, predicts, emitted = state
-        is_child = children(cur) & active[:, None]
-        acc = jnp.cumsum(jnp.where(is_child, row_at(cur).mass(tokens_BN), 0.0), axis=1)
-        hit = is_child & (coins_BN[rows, cur][:, None] <= acc)
-        took = jnp.any(hit, axis=1)
-        child = jnp.argmax(hit, axis=1).astype(jnp.int32)
-        token = tokens_BN[rows, child]
-        accept = accept.at[:, t + 1].set(jnp.where(took, child, -1))
-        emitted = emitted.at[:, t].set(jnp.where(took, token, -1))
-        predicts = predicts.at[rows, cur].set(jnp.where(took, token, predicts[rows, cur]))
-        return jnp.where(took, child, cur), active & took, accept, predicts, emitted
-
-    init = (
-        jnp.zeros((batch,), jnp.int32),
-        jnp.ones((batch,), bool),
-        jnp.full((batch, max_depth + 1), -1, jnp.int32).at[:, 0].set(0),
-        jnp.full((batch, n), -1, jnp.int32),
-        jnp.full((batch, max_depth + 1), -1, jnp.int32),
-    )
-    cur, active, accept, predicts, emitted = jax.lax.fori_loop(0, max_depth, step, init, unroll=True)
-    num_accepted = jnp.sum(accept >= 0, axis=1, dtype=jnp.int32) - 1
-    # A walk that stopped early rejected every child of its last node; one that ran out of depth
-    # examined none of them.
-    rejected = children(cur) & ~active[:, None]
-    bonus = row_at(cur).draw(rejected, tokens_BN, final_coins_B)
-    emitted = emitted.at[rows, num_accepted].set(bonus)
-    predicts = predicts.at[rows, cur].set(bonus)
-    return VerifyResult(accept, num_accepted, predicts, emitted, bonus)
+def result_from_path(accept_index_BD: Int[Array, "B D"], emitted_BD: Int[Array, "B D"],
+                     num_nodes: int) -> VerifyResult:
+    """``VerifyResult`` from the accepted path and the emitted tokens (final token included) of a
+    walk over trees of ``num_nodes`` nodes (``[B, max_depth + 1]`` each, ``-1`` padded)."""
+    num_accepted = jnp.sum(accept_index_BD >= 0, axis=1, dtype=jnp.int32) - 1
+    rows = jnp.arange(accept_index_BD.shape[0])[:, None]
+    slots = jnp.where(accept_index_BD >= 0, accept_index_BD, num_nodes)
+    predicts = jnp.full((accept_index_BD.shape[0], num_nodes), -1, jnp.int32).at[rows, slots].set(
+        emitted_BD, mode="drop")
+    bonus = jnp.take_along_axis(emitted_BD, num_accepted[:, None], axis=1)[:, 0]
+    return VerifyResult(accept_index_BD, num_accepted, predicts, emitted_BD, bonus)
 
 
 def parents_from_fcns(next_token_BN: Int[Array, "B N"], next_sibling_BN: Int[Array, "B N"]) -> Int[Array, "B N"]:
@@ -180,7 +108,9 @@ def _check_fcns(candidates, next_token, next_sibling) -> None:
 def _rejection_sample(candidates, next_token, next_sibling, coins, final_coins, probs, *, max_depth):
     parents = parents_from_fcns(next_token, next_sibling)
     rows = jnp.arange(candidates.shape[0])
-    return _walk(candidates, parents, coins, final_coins, lambda cur: _ProbRow(probs[rows, cur]), max_depth)
+    path = reference.walk(candidates, parents, coins, final_coins, lambda cur: reference.ProbRow(probs[rows, cur]),
+                          max_depth)
+    return result_from_path(*path, candidates.shape[1])
 
 
 def tree_rejection_sample(
@@ -228,14 +158,8 @@ def tree_rejection_sample(
 
 @functools.partial(jax.jit, static_argnames="max_depth")
 def _greedy_verify(candidates, next_token, next_sibling, target_argmax, *, max_depth):
-    return _argmax_walk(candidates, parents_from_fcns(next_token, next_sibling), target_argmax, max_depth)
-
-
-def _argmax_walk(tokens_BN, parents_BN, argmax_BN, max_depth: int) -> VerifyResult:
-    """The walk on one-hot rows given each node's target argmax (coins cannot change its outcome)."""
-    rows = jnp.arange(tokens_BN.shape[0])
-    ones = jnp.ones(tokens_BN.shape, jnp.float32)
-    return _walk(tokens_BN, parents_BN, ones, ones[:, 0], lambda cur: _ArgmaxRow(argmax_BN[rows, cur]), max_depth)
+    path = reference.argmax_walk(candidates, parents_from_fcns(next_token, next_sibling), target_argmax, max_depth)
+    return result_from_path(*path, candidates.shape[1])
 
 
 def tree_greedy_verify(
@@ -268,24 +192,13 @@ def verify_from_coins(
     top_k_B: Int[Array, " B"],
     top_p_B: Float[Array, " B"],
 ) -> VerifyResult:
-    """Step 5 of a round for a mixed greedy/sampled batch, given the coins (no validation).
-
-    Computes the processed target row (``sampling.row_probs``) only at the nodes the walk visits.
-    An all-greedy batch instead takes every node's argmax in one pass and walks on those (the same
-    walk on one-hot rows, without a dependent vocabulary pass per step). Traceable; the engine
-    calls it inside its jitted round.
+    """Step 5 of a round for a mixed greedy/sampled batch, given the coins (no validation):
+    ``pallas_kernels.tree_sampling.reference.tree_sample_reference`` as a ``VerifyResult``.
+    Traceable; the engine calls it inside its jitted round.
     """
-    rows = jnp.arange(tree.tokens.shape[0])
-
-    def greedy():
-        argmax_BN = jnp.argmax(target_logits_BNV, axis=-1).astype(jnp.int32)
-        return _argmax_walk(tree.tokens, tree.parents, argmax_BN, tree.max_depth)
-
-    def sampled():
-        row_at = lambda cur: _ProbRow(row_probs(target_logits_BNV[rows, cur], temperature_B, top_k_B, top_p_B))  # noqa: E731
-        return _walk(tree.tokens, tree.parents, coins_BN, final_coins_B, row_at, tree.max_depth)
-
-    return jax.lax.cond(jnp.all(temperature_B <= 0), greedy, sampled)
+    path = reference.tree_sample_reference(tree.tokens, tree.parents, target_logits_BNV, coins_BN, final_coins_B,
+                                           temperature_B, top_k_B, top_p_B, max_depth=tree.max_depth)
+    return result_from_path(*path, tree.tokens.shape[1])
 
 
 @jax.jit

@@ -10,7 +10,11 @@
 - ``sampling``: fused tree sampling vs the jnp path (``verify_from_coins``) for V = 151,936,
   tree budgets and batches, plain temperature and temperature + top-k + top-p; also checks
   that both give the same results, and relates the time to a Qwen3-8B verify forward's
-  weight-streaming floor (16.4 GB of bf16 weights at the HBM bandwidth).
+  weight-streaming floor (16.4 GB of bf16 weights at the HBM bandwidth). ``--baseline-module
+  PATH`` loads a previous version of the kernel module from a file (its ``tree_sample(tree,
+  logits, coins, final_coins, t, k, p, backend=...) -> VerifyResult``) and times it interleaved
+  with each fused configuration on the same inputs, recording whether their accepted paths and
+  emitted tokens are identical.
 
     PYTHONPATH=. python experiments/bench_kernels.py attention sampling --out experiments/results
 
@@ -24,6 +28,8 @@ import argparse
 import concurrent.futures
 import dataclasses
 import functools
+import importlib.util
+import inspect
 import json
 import platform
 import re
@@ -34,8 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import kernels
 from ddtree_jax.experiments import profiling
-from ddtree_jax.experiments.bench import interleaved_ms, median_ms
+from ddtree_jax.experiments.bench import interleaved_ms
 from ddtree_jax.tree import build_tree, tree_positions
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels import configs
@@ -43,7 +50,7 @@ from pallas_kernels.configs import TreeAttentionConfig
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 from pallas_kernels.tree_attention_reference import tree_attention_reference
-from pallas_kernels.tree_sampling import PARALLEL_ROWS, tree_sample
+from pallas_kernels.tree_sampling import SamplerConfig
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 VOCAB, DRAFT_DEPTH = 151_936, 15
@@ -55,6 +62,7 @@ SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128
 _SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages",
                  "p": "min_programs", "c": "min_chunk"}
 SAMPLING_PARAMS = {"T1": (1.0, 0, 1.0), "T0.7_k50_p0.9": (0.7, 50, 0.9)}
+_FUSED_FIELDS = ("block_v", "num_warps", "num_stages", "stats_blocks", "parallel_rows")  # of --fused-configs
 
 
 def tree_mask(num_nodes: int) -> np.ndarray:
@@ -226,16 +234,46 @@ def sampling_inputs(batch, budget, params, vocab=VOCAB, seed=0, noise=1.0, dtype
         jnp.asarray(p, jnp.float32)
 
 
-def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, profile=False):
-    """Fused sampling (one implementation per ``(block_v, num_warps, num_stages, stats_blocks, parallel_rows)`` of
-    ``fused_configs``) vs the jnp path on ``(budget, batch, params name)`` cases (``budget_s`` as
-    in ``bench_attention``). ``profile``: also record where each fused call's device time goes
-    (``ddtree_jax.experiments.profiling``)."""
-    impls = {fused_name(c, len(fused_configs)): functools.partial(
-                 tree_sample, backend="triton", block_v=c[0], num_warps=c[1], num_stages=c[2], stats_blocks=c[3],
-                 parallel_rows=c[4])
-             for c in fused_configs}
+def fused_sampler(config: SamplerConfig, interpret: bool = False):
+    """The fused kernel with ``config`` as a step-5 sampler (`kernels.sampler_fn`)."""
+    return kernels.sampler_fn("interpret" if interpret else "pallas", config=config)
+
+
+def load_baseline(path):
+    """A previous version of the kernel module, loaded from the file ``path`` under the module name
+    ``tree_sampling_baseline`` (the library it imports is this checkout's)."""
+    spec = importlib.util.spec_from_file_location("tree_sampling_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def baseline_sampler(module, config: SamplerConfig, interpret: bool = False):
+    """``module.tree_sample`` (the old API: ``(tree, logits, coins, final_coins, t, k, p, backend=...,
+    <launch knobs>) -> VerifyResult``) with the knobs of ``config`` that it takes."""
+    params = inspect.signature(module.tree_sample).parameters
+    knobs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in params}
+    return functools.partial(module.tree_sample, backend="interpret" if interpret else "triton", **knobs)
+
+
+def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, profile=False, baseline=None,
+                   repeats=5, interpret=False):
+    """Fused sampling (one implementation per ``SamplerConfig`` of ``fused_configs``) vs the jnp path on
+    ``(budget, batch, params name)`` cases (``budget_s`` as in ``bench_attention``): the median of
+    ``repeats`` blocking calls each. ``baseline``: a previous kernel module (``load_baseline``), run
+    as ``baseline_<name>`` with each configuration's knobs, timed interleaved with that configuration
+    (``interleaved_ms``), with its median time ratio and whether both give identical accepted paths
+    and emitted tokens. ``profile``: also record where each kernel call's device time goes
+    (``ddtree_jax.experiments.profiling``). ``interpret``: run the kernels interpreted (a test on the CPU)."""
+    names = [fused_name(c, len(fused_configs)) for c in fused_configs]
+    impls = {name: fused_sampler(c, interpret) for name, c in zip(names, fused_configs)}
+    groups = [[name] for name in names]
+    if baseline is not None:
+        impls.update({f"baseline_{name}": baseline_sampler(baseline, c, interpret) for name, c in zip(names,
+                                                                                                     fused_configs)})
+        groups = [[name, f"baseline_{name}"] for name in names]
     impls["jnp"] = verify_from_coins
+    groups.append(["jnp"])
     floor_s = QWEN3_8B_WEIGHT_BYTES / (peak_gbs * 1e9)
     make = lambda budget, batch, pname: sampling_inputs(batch, budget, [SAMPLING_PARAMS[pname]], vocab)  # noqa: E731
     jobs = {(case, name): (fn, jax.eval_shape(lambda c=case: make(*c)))
@@ -246,19 +284,33 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, p
         args = make(*case)
         row = dict(budget=case[0], batch=case[1], params=case[2])
         results = {}
-        for name in impls:
+        for group in groups:
+            runs = {}
+            for name in group:
+                try:
+                    exe = compiled[(case, name)]
+                    if isinstance(exe, Exception):
+                        raise exe
+                    results[name] = jax.block_until_ready(exe(*args))
+                    runs[name] = functools.partial(exe, *args)
+                except Exception as err:  # noqa: BLE001
+                    row[name] = dict(error=error_text(err))
             try:
-                exe = compiled[(case, name)]
-                if isinstance(exe, Exception):
-                    raise exe
-                results[name] = jax.block_until_ready(exe(*args))
-                seconds = median_ms(functools.partial(exe, *args), 5) / 1e3
-                row[name] = dict(ms=seconds * 1e3, frac_of_verify_floor=seconds / floor_s)
+                times = interleaved_ms(runs, repeats)
+            except Exception as err:  # noqa: BLE001 (an OOM at run time is a result)
+                times = {}
+                row.update({name: dict(error=error_text(err)) for name in runs})
+            for name, rounds in times.items():
+                seconds = float(np.median(rounds)) / 1e3
+                row[name] = dict(ms=seconds * 1e3, frac_of_verify_floor=seconds / floor_s, rounds_ms=rounds)
                 if profile and name != "jnp":
-                    row[name]["profile"] = profiling.device_op_times(functools.partial(exe, *args), calls=3)
+                    row[name]["profile"] = profiling.device_op_times(runs[name], calls=3)
                     print(f"  {name}:\n" + profiling.format_summary(row[name]["profile"]), flush=True)
-            except Exception as err:  # noqa: BLE001
-                row[name] = dict(error=error_text(err))
+            if len(times) == 2:
+                new, old = group
+                row[new]["vs_baseline"] = dict(
+                    speedup=float(np.median(np.divide(times[old], times[new]))),
+                    identical=same_path(results[new], results[old]))
         if "jnp" in results:
             row["mean_accepted"] = float(np.mean(np.asarray(results["jnp"].num_accepted)))
             for name in results.keys() - {"jnp"}:
@@ -266,8 +318,31 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, p
         records.append(row)
         report(records)
         print(row, flush=True)
+        print(format_sampling_row(row, [name for group in groups for name in group]), flush=True)
         del args, results
     return records
+
+
+def same_path(result, other) -> bool:
+    """Whether two ``VerifyResult`` have identical accepted paths and emitted tokens."""
+    return all(bool(np.array_equal(np.asarray(getattr(result, f)), np.asarray(getattr(other, f))))
+               for f in ("accept_index", "emitted"))
+
+
+def format_sampling_row(row, names):
+    """One line of the sampling table: each implementation's median ms, identity with the jnp path
+    and, against a baseline, the speedup and identity of paths and tokens."""
+    cells = [f"B={row['budget']:>4} batch={row['batch']:>2} {row['params']}"]
+    for name in names:
+        r = row.get(name, {})
+        if "ms" not in r:
+            cells.append(f"{name} n/a")
+            continue
+        cell = f"{name} {r['ms']:7.3f} ms" + (f" same={r['identical']}" if "identical" in r else "")
+        if "vs_baseline" in r:
+            cell += f" vs baseline {r['vs_baseline']['speedup']:.2f}x same={r['vs_baseline']['identical']}"
+        cells.append(cell)
+    return " | ".join(cells)
 
 
 def sweep_config(text: str) -> TreeAttentionConfig:
@@ -278,20 +353,20 @@ def sweep_config(text: str) -> TreeAttentionConfig:
     return dataclasses.replace(configs.tree_attention_config(), **values)
 
 
-def fused_config(text: str) -> tuple[int, int, int, int, int]:
-    """``"block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]]"`` -> the five ints
-    (``tree_sample``'s defaults for those left out)."""
+def fused_config(text: str) -> SamplerConfig:
+    """``"block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]]"`` -> that ``SamplerConfig``
+    (its defaults for the fields left out)."""
     values = [int(x) for x in text.split(":")]
     if len(values) not in (3, 4, 5):
         raise ValueError("a fused config is block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]], "
                          f"got {text!r}")
-    return (*values, *(1, PARALLEL_ROWS)[len(values) - 3:])
+    return SamplerConfig(**dict(zip(_FUSED_FIELDS, values)))
 
 
-def fused_name(config, count):
+def fused_name(config: SamplerConfig, count):
     """``"fused"`` for a single configuration, else
     ``"fused_<block_v>_<warps>_<stages>_<stats_blocks>_<parallel_rows>"``."""
-    return "fused" if count == 1 else "fused_{}_{}_{}_{}_{}".format(*config)
+    return "fused" if count == 1 else "fused_" + "_".join(str(getattr(config, f)) for f in _FUSED_FIELDS)
 
 
 def compare_results(result, reference):
@@ -326,7 +401,12 @@ def main(argv=None):
                         help="fused sampler configs block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]], "
                              "comma-separated (stats_blocks: vocabulary blocks per program of the "
                              "row-statistics pass, default 1; parallel_rows: up to this many node rows the "
-                             f"candidates are found over the whole GPU, default {PARALLEL_ROWS})")
+                             "candidates are found over the whole GPU, default "
+                             f"{SamplerConfig().parallel_rows})")
+    parser.add_argument("--baseline-module", default=None,
+                        help="sampling: a previous version of the kernel module (a .py file with the old API "
+                             "tree_sample(tree, ..., backend=...) -> VerifyResult), timed interleaved with each "
+                             "fused config on the same inputs")
     parser.add_argument("--profile", action="store_true",
                         help="sampling: record where each fused call's device time goes (per kernel and op)")
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
@@ -334,7 +414,7 @@ def main(argv=None):
     parser.add_argument("--chain", type=int, default=8,
                         help="attention, sweep: dependent calls per timed executable")
     parser.add_argument("--repeats", type=int, default=5,
-                        help="attention, sweep: timed rounds (every implementation once per round)")
+                        help="timed rounds (every implementation of a group once per round)")
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="per part, stop starting new shapes this many seconds after compiling")
     args = parser.parse_args(argv)
@@ -354,8 +434,9 @@ def main(argv=None):
             cases = [(int(b), int(n), pname) for pname in args.sampling_params.split(",")
                      for b, n in (c.split(":") for c in args.sampling_cases.split(","))]
             fused = [fused_config(c) for c in args.fused_configs.split(",")]
-            bench_sampling(cases, fused, vocab=args.vocab, peak_gbs=args.peak_gbs,
-                           budget_s=args.budget_s, report=report, profile=args.profile)
+            baseline = load_baseline(args.baseline_module) if args.baseline_module else None
+            bench_sampling(cases, fused, vocab=args.vocab, peak_gbs=args.peak_gbs, budget_s=args.budget_s,
+                           report=report, profile=args.profile, baseline=baseline, repeats=args.repeats)
             continue
         contexts = ints(args.contexts if part == "attention" else args.sweep_contexts)
         shapes = [(b, n, c) for b in ints(args.batches) for n in ints(args.nodes) for c in contexts]

@@ -29,13 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.verify import verify_from_coins
-from experiments.bench_kernels import compare_results, sampling_inputs
+from experiments.bench_kernels import compare_results, fused_sampler, sampling_inputs
 from pallas_kernels.configs import tree_attention_config
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 from pallas_kernels.tree_attention_reference import tree_attention_reference
-from pallas_kernels.tree_sampling import tree_sample
+from pallas_kernels.tree_sampling import SamplerConfig
 
 # (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
 ATTENTION_CASES = [
@@ -66,15 +66,16 @@ SAMPLING_CASES = [
 ]
 
 
-def check_sampling(backend="triton", cases=SAMPLING_CASES):
+def check_sampling(interpret=False, cases=SAMPLING_CASES):
+    """The fused sampler (Triton, or ``interpret``) against the jnp path on each case."""
     records = []
     for seed, (batch, budget, vocab, dtype, capacity) in enumerate(cases):
         args = sampling_inputs(batch, budget, MIXED_PARAMS, vocab, seed=seed, dtype=jnp.dtype(dtype))
-        record = dict(part="sampling", backend=backend, batch=batch, budget=budget, vocab=vocab, dtype=dtype,
-                      capacity=capacity)
+        record = dict(part="sampling", backend="interpret" if interpret else "triton", batch=batch, budget=budget,
+                      vocab=vocab, dtype=dtype, capacity=capacity)
 
         def check(args=args, capacity=capacity):
-            out = tree_sample(*args, backend=backend, capacity=capacity)
+            out = fused_sampler(SamplerConfig(capacity=capacity), interpret)(*args)
             same = compare_results(out, verify_from_coins(*args))
             return dict(same, ok=same["identical"], mean_accepted=float(np.mean(np.asarray(out.num_accepted))))
 

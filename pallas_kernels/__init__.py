@@ -3,16 +3,21 @@
 - ``tree_attention`` (Triton lowering) and ``tree_attention_mgpu`` (Mosaic GPU, Hopper):
   tree-verify attention over a KV cache (GQA packing, split-K); reference
   ``tree_attention_reference``.
-- ``tree_sample``: fused tree verification from target logits (walk + final draw).
+- ``tree_sample`` (the package ``tree_sampling``): fused tree verification from target logits
+  (walk + final draw); ``tree_sample_reference`` is its jnp specification, same signature.
+- ``matmul``: the skinny matrix products of decoding (split-K, RMSNorm prologue, SwiGLU and
+  residual epilogues); reference ``matmul_reference``.
 
 This package imports nothing from ``ddtree_jax``: the library's dispatch module
 (``ddtree_jax/kernels.py``) decides which implementation runs where and wraps the results.
 """
 
-from pallas_kernels.configs import TreeAttentionConfig, tree_attention_config
+from pallas_kernels.configs import MatmulConfig, TreeAttentionConfig, tree_attention_config
+from pallas_kernels.matmul import matmul
+from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
-from pallas_kernels.tree_sampling import tree_sample
+from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample_reference
 
-__all__ = ["TreeAttentionConfig", "tree_attention", "tree_attention_config",
-           "tree_attention_reference", "tree_sample"]
+__all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "matmul", "matmul_reference", "tree_attention",
+           "tree_attention_config", "tree_attention_reference", "tree_sample", "tree_sample_reference"]

@@ -191,15 +191,3 @@ def test_pallas_kernels_behind_the_switches_give_the_same_tokens():
     with pytest.raises(ValueError, match="sampler_impl"):
         generate(target, drafter, PROMPTS, sampler_impl="fast", **kw)
 
-
-def test_auto_sampler_is_the_fused_kernel_only_on_a_gpu_without_a_mesh():
-    from ddtree_jax.engine import _sampler
-    from ddtree_jax.sharding import make_mesh
-    from ddtree_jax.verify import verify_from_coins
-    from pallas_kernels.tree_sampling import tree_sample
-
-    assert _sampler("auto", make_mesh(tp=1, dp=1)) is verify_from_coins
-    assert _sampler("xla") is verify_from_coins
-    auto = _sampler("auto")
-    assert auto.func is tree_sample and auto.keywords == {"backend": "auto"}  # xla off a CUDA GPU
-    assert _sampler("pallas").keywords == {"backend": "triton"}

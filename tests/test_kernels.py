@@ -81,3 +81,19 @@ def test_the_matmul_kernel_refuses_a_mesh():
         kernels.matmul_fn("pallas", make_mesh(1, 1))
     with pytest.raises(ValueError, match="matmul_impl must be one of"):
         kernels.matmul_fn("triton")
+
+
+def test_auto_sampler_is_the_fused_kernel_only_on_a_gpu_without_a_mesh(monkeypatch):
+    from ddtree_jax.sharding import make_mesh
+    from ddtree_jax.verify import verify_from_coins
+
+    assert kernels.sampler_fn("xla") is verify_from_coins
+    assert kernels.sampler_fn("auto") is verify_from_coins  # off a CUDA GPU
+    assert kernels.sampler_fn("pallas") is not verify_from_coins
+    assert kernels.sampler_fn("interpret") is not verify_from_coins
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
+    assert kernels.sampler_fn("auto") is not verify_from_coins
+    assert kernels.sampler_fn("auto", make_mesh(tp=1, dp=1)) is verify_from_coins
+    with pytest.raises(ValueError, match="sampler_impl must be one of"):
+        kernels.sampler_fn("triton")

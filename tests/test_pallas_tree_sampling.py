@@ -1,4 +1,6 @@
-"""Fused tree sampling (interpret mode on CPU) vs the jnp path ``verify_from_coins``."""
+"""Fused tree sampling (interpret mode on CPU) vs its jnp reference ``tree_sample_reference``: the
+accepted paths and emitted tokens, from which ``result_from_path`` derives every other field of a
+``VerifyResult``. The statistics and candidate passes against NumPy: test_pallas_tree_sampling_passes."""
 
 import re
 import sys
@@ -8,18 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddtree_jax import oracle
-from ddtree_jax.sampling import inverse_temperature
 from ddtree_jax.tree import build_tree
-from ddtree_jax.verify import verify_from_coins
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_sampling import (_FEW_SLOTS, PARALLEL_ROWS, _order_key, _row_stats, _rows, _searched_rows,
-                                          _tree_sample_pallas, tree_sample)
+from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample_reference
 
-FIELDS = ("accept_index", "num_accepted", "predicts", "emitted", "bonus")
+PARALLEL_ROWS = SamplerConfig().parallel_rows
 
 
 def make_round(seed, *, batch, depth, vocab, budget, logit_scale=3.0, tie_step=None, agree=0.0,
@@ -51,13 +49,15 @@ def params(*rows):
     return jnp.array(t, jnp.float32), jnp.array(k, jnp.int32), jnp.array(p, jnp.float32)
 
 
-def assert_same(tree, logits, coins, final, temperature, top_k, top_p, **kwargs):
-    ref = verify_from_coins(tree, logits, coins, final, temperature, top_k, top_p)
-    out = tree_sample(tree, logits, coins, final, temperature, top_k, top_p, backend="interpret",
-                      **kwargs)
-    for field in FIELDS:
-        np.testing.assert_array_equal(np.asarray(getattr(out, field)), np.asarray(getattr(ref, field)),
-                                      err_msg=field)
+def assert_same(tree, logits, coins, final, temperature, top_k, top_p, **config):
+    """The interpreted kernels with ``SamplerConfig(**config)`` give the reference's accepted paths
+    and emitted tokens; returns them."""
+    args = (tree.tokens, tree.parents, logits, coins, final, temperature, top_k, top_p)
+    ref = tree_sample_reference(*args, max_depth=tree.max_depth)
+    out = tree_sample(*args, max_depth=tree.max_depth, config=SamplerConfig(**config), interpret=True)
+    for name, got, want in zip(("accept_index", "emitted"), out, ref):
+        assert got.shape == (tree.tokens.shape[0], tree.max_depth + 1), name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
     return out
 
 
@@ -119,127 +119,6 @@ def test_random_shapes_and_parameters_match_jnp_path(seed, vocab, block_v, capac
                 parallel_rows=parallel_rows)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), vocab=st.integers(1, 300), block=st.sampled_from([16, 64, 512]),
-       tie_step=st.sampled_from([None, 1.0]), dtype=st.sampled_from(["float32", "bfloat16"]),
-       blocks=st.sampled_from([1, 3]))
-def test_row_statistics_match_numpy(seed, vocab, block, tie_step, dtype, blocks):
-    """The statistics pass (a program per row and ``blocks`` blocks) and the rows' combination of
-    its blocks (``_rows``) against NumPy on the processed rows: maxima and first argmaxes exact,
-    masses to float32 rounding."""
-    rng = np.random.default_rng(seed)
-    logits = 3.0 * rng.standard_normal((2, 3, vocab))
-    logits = np.round(logits / tie_step) * tie_step if tie_step else logits
-    logits = jnp.asarray(logits, dtype)
-    temperature = jnp.asarray([0.0, 0.7], jnp.float32)
-    scale = inverse_temperature(temperature)  # greedy rows: 1
-    stats = _row_stats(logits, scale, 4, block, 4, True, blocks)
-    block_max, block_argmax, block_mass, sub_max = (np.asarray(x)[:, :3] for x in stats)
-    z = np.asarray(logits, np.float32) * np.asarray(scale)[:, None, None]
-    num_blocks = -(-vocab // block)
-    assert block_max.shape[2] >= num_blocks and block_max.shape[2] & (block_max.shape[2] - 1) == 0
-    blocks_z = np.pad(z, ((0, 0), (0, 0), (0, num_blocks * block - vocab)), constant_values=-np.inf).reshape(
-        2, 3, num_blocks, block)
-    np.testing.assert_array_equal(block_max[..., :num_blocks], blocks_z.max(-1))
-    np.testing.assert_array_equal(block_argmax[..., :num_blocks], blocks_z.argmax(-1) + block * np.arange(num_blocks))
-    np.testing.assert_allclose(block_mass[..., :num_blocks],
-                               np.exp(blocks_z - blocks_z.max(-1, keepdims=True)).sum(-1), rtol=1e-5)
-    sub = min(64, block)
-    num_subs = -(-vocab // sub)
-    padded = np.pad(z, ((0, 0), (0, 0), (0, num_subs * sub - vocab)), constant_values=-np.inf)
-    np.testing.assert_array_equal(sub_max[..., :num_subs], padded.reshape(2, 3, num_subs, sub).max(-1))
-    np.testing.assert_array_equal(sub_max[..., num_subs:], -np.inf)
-    row_stats, search, cands = _rows(logits, temperature, scale, jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.float32),
-                                     *stats, draw_block=block, block_c=block, capacity=16, candidates=False,
-                                     num_warps=4, interpret=True)
-    m, argmax, total, num, _, _, kept = (np.asarray(x)[:, :3] for x in row_stats)
-    assert cands == () and not np.any(search)
-    np.testing.assert_array_equal(m, z.max(-1))
-    np.testing.assert_array_equal(argmax, z.argmax(-1))
-    np.testing.assert_allclose(total, np.exp(z - z.max(-1, keepdims=True)).sum(-1), rtol=1e-5)
-    np.testing.assert_array_equal(num, -1)
-    np.testing.assert_array_equal(kept, total)
-
-
-CANDIDATE_ROWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (1.0, 3, 1.0), (0.7, 40, 1.0), (1.0, 0, 0.3), (1.3, 0, 0.9),
-                  (0.5, 20, 0.8), (2.0, 1000, 1.0), (1.0, 0, 0.999), (1.0, 300, 0.95)]
-
-
-def assert_candidates(num, cand_z, cand_id, z, capacity):
-    """Per truncated row of ``CANDIDATE_ROWS`` with candidates (``num >= 0``): in id order, all the
-    tokens above a floor, at most ``capacity``, holding the kept set (top-k: at least k tokens;
-    top-p: at least ``top_p`` of the mass); untruncated rows have none. Returns the truncated rows."""
-    vocab = z.shape[1]
-    truncated = []
-    for r, (temperature, top_k, top_p) in enumerate(CANDIDATE_ROWS):
-        if not (temperature > 0 and (0 < top_k < vocab or top_p < 1)):
-            assert num[r] == -1, r
-            continue
-        truncated.append(r)
-        if num[r] < 0:
-            continue
-        ids = cand_id[r, :num[r]]
-        assert 1 <= num[r] <= capacity
-        np.testing.assert_array_equal(ids, np.flatnonzero(z[r] >= z[r, ids].min()), err_msg=str(r))
-        np.testing.assert_array_equal(cand_z[r, :num[r]], z[r, ids])
-        e = np.exp(z[r].astype(np.float64) - z[r].max())
-        if 0 < top_k < vocab:
-            assert num[r] >= top_k, r
-        else:
-            assert e[ids].sum() >= top_p * e.sum() * 1.00005, r
-    return truncated
-
-
-@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), vocab=st.integers(1, 700), block=st.sampled_from([16, 64, 256]),
-       capacity=st.sampled_from([16, 64, 1024]), tie_step=st.sampled_from([None, 1.0]))
-@example(seed=0, vocab=700, block=256, capacity=1024, tie_step=None)  # kept sets ranked and searched
-@example(seed=1, vocab=700, block=64, capacity=1024, tie_step=1.0)
-def test_candidates_of_truncated_rows_match_numpy(seed, vocab, block, capacity, tie_step):
-    """The candidates of the truncated rows (``assert_candidates``), first from the sub-block maxima
-    alone, then with the floor search for the rows those leave without. Small top-k always finds
-    candidates from the maxima. The boundary found from them (ranked when they fit
-    ``_FEW_SLOTS``, else searched) keeps exactly the oracle's kept set, and its mass."""
-    rng = np.random.default_rng(seed)
-    logits = 3.0 * rng.standard_normal((len(CANDIDATE_ROWS), vocab)).astype(np.float32)
-    logits = np.round(logits / tie_step) * tie_step if tie_step else logits
-    t, k, p = params(*CANDIDATE_ROWS)
-    scale = inverse_temperature(t)
-    logits_B1V = jnp.asarray(logits)[:, None]
-    stats = _row_stats(logits_B1V, scale, 2, block, 4, True)
-    z = logits * np.asarray(scale)[:, None]
-
-    fast = _rows(logits_B1V, t, scale, k, p, *stats, draw_block=block, block_c=block, capacity=capacity,
-                 candidates=True, num_warps=4, interpret=True)
-    columns = lambda row_stats, cands: (*(np.asarray(x)[:, 0] for x in row_stats[3:]),  # noqa: E731
-                                        *(np.asarray(x)[:, 0] for x in cands))
-    fast_num, *_, fast_z, fast_id = columns(fast[0], fast[2])
-    truncated = assert_candidates(fast_num, fast_z, fast_id, z, capacity)
-    np.testing.assert_array_equal(np.flatnonzero(np.asarray(fast[1])[:, 0]),
-                                  [r for r in truncated if fast_num[r] < 0])
-    sub = min(64, block)  # the statistics' sub-block size
-    if vocab > 2 * sub and capacity >= 3 * sub and not tie_step:
-        assert fast_num[2] >= 0  # top-k 3: three sub-blocks hold every candidate
-    searched = _searched_rows(logits_B1V, t, scale, k, p, *fast, block_c=block, capacity=capacity, num_warps=4,
-                              interpret=True) if np.any(fast[1]) else (fast[0], fast[2])
-    num, w, c, kept, cand_z, cand_id = columns(*searched)
-    np.testing.assert_array_equal(num[fast_num >= 0], fast_num[fast_num >= 0])
-    truncated = assert_candidates(num, cand_z, cand_id, z, capacity)
-    if vocab > 3 and not tie_step:
-        assert num[2] >= 0
-    if vocab == 700 and capacity > _FEW_SLOTS:
-        assert num[-1] > _FEW_SLOTS  # top-k 300: searched
-    key = np.asarray(_order_key(jnp.asarray(z)))
-    oracle_probs = oracle.target_probs(logits[:, None], t, k, p)[:, 0]
-    for r in truncated:
-        if num[r] < 0:
-            continue
-        e = np.exp(z[r].astype(np.float64) - z[r].max())
-        kept_set = (key[r] > w[r]) | ((key[r] == w[r]) & (np.arange(vocab) < c[r]))
-        np.testing.assert_array_equal(kept_set, oracle_probs[r] > 0, err_msg=str(r))
-        np.testing.assert_allclose(float(kept[r]), e[kept_set].sum(), rtol=1e-5)
-
-
 def test_ties_at_top_k_and_top_p_boundaries():
     """Integer logits: dozens of tokens share the boundary value of most kept sets."""
     rows = [(1.0, 7, 1.0), (1.0, 20, 1.0), (1.0, 0, 0.3), (1.0, 0, 0.6), (1.0, 12, 0.5),
@@ -257,8 +136,8 @@ def test_long_accepted_paths_and_depth_limit():
     rows = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.5, 10, 0.9), (1.0, 0, 0.95)]
     tree, logits, coins, final = make_round(5, batch=len(rows), depth=5, vocab=200, budget=5,
                                             logit_scale=1.0, agree=12.0, topk_cap=1)
-    out = assert_same(tree, logits, coins, final, *params(*rows), block_v=64)
-    assert int(jnp.max(out.num_accepted)) == tree.max_depth
+    accept, _ = assert_same(tree, logits, coins, final, *params(*rows), block_v=64)
+    assert int(jnp.max(jnp.sum(accept >= 0, axis=1))) == tree.max_depth + 1
 
 
 def test_bfloat16_logits_and_one_block_vocab():
@@ -268,26 +147,35 @@ def test_bfloat16_logits_and_one_block_vocab():
     assert_same(tree, logits, coins, final, *params(*rows), block_v=4096)
 
 
-def test_auto_is_the_jnp_path_on_cpu_and_jits():
+def test_jits_inside_a_caller_and_matches_the_reference():
     tree, logits, coins, final = make_round(4, batch=2, depth=2, vocab=50, budget=4)
-    t, k, p = params((1.0, 0, 1.0), (0.0, 0, 1.0))
-    ref = verify_from_coins(tree, logits, coins, final, t, k, p)
-    out = jax.jit(lambda *a: tree_sample(tree, *a))(logits, coins, final, t, k, p)
-    for field in FIELDS:
-        np.testing.assert_array_equal(np.asarray(getattr(out, field)), np.asarray(getattr(ref, field)))
+    args = (tree.tokens, tree.parents, logits, coins, final, *params((1.0, 0, 1.0), (0.0, 0, 1.0)))
+    ref = tree_sample_reference(*args, max_depth=tree.max_depth)
+    out = jax.jit(lambda *a: tree_sample(*a, max_depth=tree.max_depth, interpret=True))(*args)
+    for got, want in zip(out, ref):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(backend="cuda"), "backend"),
-                                           (dict(block_v=100), "block_v"),
-                                           (dict(capacity=8), "capacity"), (dict(num_warps=6), "num_warps"),
-                                           (dict(num_stages=0), "num_stages"), (dict(stats_blocks=0), "stats_blocks"),
-                                           (dict(parallel_rows=-1), "parallel_rows")])
-def test_invalid_arguments(kwargs, match):
+@pytest.mark.parametrize("field, value", [("block_v", 100), ("capacity", 8), ("num_warps", 6), ("num_stages", 0),
+                                          ("stats_blocks", 0), ("parallel_rows", -1)])
+def test_invalid_config(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplerConfig(**{field: value})
+
+
+def test_invalid_arguments():
     tree, logits, coins, final = make_round(0, batch=1, depth=2, vocab=50, budget=3)
-    with pytest.raises(ValueError, match=match):
-        tree_sample(tree, logits, coins, final, *params((1.0, 0, 1.0)), **kwargs)
-    with pytest.raises(ValueError, match="target_logits"):
-        tree_sample(tree, logits[:, :2], coins, final, *params((1.0, 0, 1.0)))
+    args = (tree.tokens, tree.parents, logits, coins, final, *params((1.0, 0, 1.0)))
+    with pytest.raises(ValueError, match="logits_BNV"):
+        tree_sample(*args[:2], logits[:, :2], *args[3:], max_depth=2)
+    with pytest.raises(ValueError, match="coins_BN"):
+        tree_sample(*args[:3], coins[:, :2], *args[4:], max_depth=2)
+    with pytest.raises(ValueError, match="top_p_B"):
+        tree_sample(*args[:7], jnp.ones((2,)), max_depth=2)
+    with pytest.raises(ValueError, match="max_depth"):
+        tree_sample(*args, max_depth=-1)
+    with pytest.raises(ValueError, match="config"):
+        tree_sample(*args, max_depth=2, config=dict(block_v=64))
 
 
 @pytest.mark.parametrize("dtype, stats_blocks, parallel_rows", [(jnp.float32, 1, PARALLEL_ROWS),
@@ -303,9 +191,9 @@ def test_lowers_to_valid_triton_ir(dtype, stats_blocks, parallel_rows):
     args = [s((batch, nodes), jnp.int32), s((batch, nodes), jnp.int32), s((batch, nodes, vocab), dtype),
             s((batch, nodes), jnp.float32), s((batch,), jnp.float32), s((batch,), jnp.float32),
             s((batch,), jnp.int32), s((batch,), jnp.float32)]
-    fn = lambda *a: _tree_sample_pallas(*a, max_depth=8, block_v=32768, num_warps=16, num_stages=1,  # noqa: E731
-                                        capacity=2048, interpret=False, stats_blocks=stats_blocks,
-                                        parallel_rows=parallel_rows)
+    config = SamplerConfig(block_v=32768, num_warps=16, num_stages=1, capacity=2048, stats_blocks=stats_blocks,
+                           parallel_rows=parallel_rows)
+    fn = lambda *a: tree_sample(*a, max_depth=8, config=config)  # noqa: E731
     modules = {re.search(r"tt.func public @(\w+)", m).group(1): m for m in verified_triton_modules(fn, *args)}
     searched = ["tree_sample_boundaries", "tree_sample_candidates", "tree_sample_floors"] if parallel_rows else []
     assert sorted(modules) == sorted(["tree_sample", "tree_sample_row_stats", "tree_sample_rows", *searched])
@@ -321,7 +209,7 @@ def test_gpu_equality_script_sampling_checks_run_interpreted():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from experiments.check_kernels import check_sampling
 
-    records = check_sampling("interpret", cases=[(8, 8, 700, "float32", 16), (8, 8, 700, "bfloat16", 2048)])
+    records = check_sampling(interpret=True, cases=[(8, 8, 700, "float32", 16), (8, 8, 700, "bfloat16", 2048)])
     assert [r["ok"] for r in records] == [True, True], records
 
 
@@ -330,9 +218,52 @@ def test_benchmark_launch_configs():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from experiments.bench_kernels import fused_config, fused_name
 
-    assert fused_config("32768:8:1") == (32768, 8, 1, 1, PARALLEL_ROWS)
-    assert fused_config("32768:8:1:4") == (32768, 8, 1, 4, PARALLEL_ROWS)
+    assert fused_config("32768:8:1") == SamplerConfig(block_v=32768, num_warps=8, num_stages=1)
+    assert fused_config("32768:8:1:4") == SamplerConfig(block_v=32768, num_warps=8, num_stages=1, stats_blocks=4)
+    assert fused_config("32768:8:1").parallel_rows == PARALLEL_ROWS
     assert fused_name(fused_config("16384:16:1:8:0"), 2) == "fused_16384_16_1_8_0"
     for bad in ("32768:8", "1:2:3:4:5:6"):
         with pytest.raises(ValueError, match="block_v:num_warps:num_stages"):
             fused_config(bad)
+
+
+# A previous kernel module with the old API, here the current kernels behind it, and with a knob it
+# does not take (``capacity``: the benchmark passes only the knobs a baseline's signature names).
+_OLD_API_MODULE = """
+from ddtree_jax.verify import result_from_path
+from pallas_kernels.tree_sampling import SamplerConfig, tree_sample as _tree_sample
+
+
+def tree_sample(tree, logits, coins, final_coins, t, k, p, backend="triton", block_v=32768, num_warps=8,
+                num_stages=1, stats_blocks=1, parallel_rows=1024):
+    config = SamplerConfig(block_v=block_v, num_warps=num_warps, num_stages=num_stages, stats_blocks=stats_blocks,
+                           parallel_rows=parallel_rows)
+    path = _tree_sample(tree.tokens, tree.parents, logits, coins, final_coins, t, k, p, max_depth=tree.max_depth,
+                        config=config, interpret=backend == "interpret")
+    return result_from_path(*path, tree.tokens.shape[1])
+"""
+
+
+def test_benchmark_times_a_baseline_module_interleaved(tmp_path):
+    """`bench_kernels.py sampling --baseline-module`: the module is loaded from its path, run with the
+    configuration's knobs on the same inputs as the fused kernel, timed in the same rounds, and
+    compared path for path (interpreted, tiny)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.bench_kernels import bench_sampling, format_sampling_row, load_baseline
+
+    path = tmp_path / "old_tree_sampling.py"
+    path.write_text(_OLD_API_MODULE)
+    baseline = load_baseline(str(path))
+    assert baseline.__name__ == "tree_sampling_baseline"
+    reports = []
+    records = bench_sampling([(4, 1, "T0.7_k50_p0.9")], [SamplerConfig(block_v=64, capacity=16)], vocab=300,
+                             peak_gbs=4800.0, budget_s=600.0, report=reports.append, baseline=baseline, repeats=2,
+                             interpret=True)
+    row, = records
+    assert reports and reports[-1] is records
+    assert set(row) >= {"fused", "baseline_fused", "jnp"}
+    for name in ("fused", "baseline_fused", "jnp"):
+        assert len(row[name]["rounds_ms"]) == 2 and row[name]["ms"] > 0, row[name]
+    assert row["fused"]["vs_baseline"]["identical"] is True
+    assert row["fused"]["identical"] and row["baseline_fused"]["identical"]  # both equal the jnp path
+    assert "vs baseline" in format_sampling_row(row, ["fused", "baseline_fused", "jnp"])

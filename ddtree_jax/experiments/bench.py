@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import engine, sharding
+from ddtree_jax import engine, kernels, sharding
 from ddtree_jax.experiments import profiling
 from ddtree_jax.models import (
     DFlashConfig, KVCache, Qwen3Config, commit, drafter_forward, init_cache, init_drafter, init_target,
@@ -185,7 +185,7 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
     @jax.jit
     def sample(tree, logits):
         coins, final = coins_from_keys(request_keys(jax.random.key(0), jnp.arange(batch), 0), logits.shape[1])
-        return engine._sampler(spec.sampler_impl)(tree, logits, coins, final, sampling.temperature,
+        return kernels.sampler_fn(spec.sampler_impl)(tree, logits, coins, final, sampling.temperature,
                                                   sampling.top_k, sampling.top_p)
 
     res = sample(tree, logits)
