@@ -1,6 +1,8 @@
 """Generation: AR, DFlash chain and DDTree decoding rounds, greedy and sampled, batched.
 
-Every method runs the same round (docs/design.md, "One round as data") as one jit-compiled function with donated state:
+Every method runs the same round (docs/design.md, "One round as data"), a pure function of the
+donated decode state (`_round`); `generate` runs rounds in chunks inside one device loop
+(`decode_rounds`), reading the state back once per chunk:
 
 1. drafter forward on ``[root, MASK x L]`` plus the last round's accepted target features,
 2. ``build_tree`` (DDTree: budget B, optional top-k cap; chain: ``topk_cap = 1``, budget L),
@@ -99,11 +101,14 @@ jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "to
 
 @dataclasses.dataclass(frozen=True)
 class RoundStats:
-    """Per-round statistics, host arrays: ``accepted [B]`` drafts accepted (``-1`` for finished
-    requests), ``tree_size [B]`` real nodes incl. the root, ``expected [B]`` exact expected accepted
-    drafts, ``seconds`` wall time of the round."""
+    """Per-round statistics, host arrays ``[B]``: ``accepted`` drafts accepted (``-1`` for a request
+    already finished), ``emitted`` tokens the round added to the request's output (after the cut at a
+    stop token or ``max_new_tokens``; 0 once finished), ``tree_size`` real nodes incl. the root,
+    ``expected`` exact expected accepted drafts; ``seconds`` the round's wall time (rounds run in
+    chunks on the device: a chunk's time is shared equally by its rounds)."""
 
     accepted: np.ndarray
+    emitted: np.ndarray
     tree_size: np.ndarray
     expected: np.ndarray
     seconds: float
@@ -111,36 +116,59 @@ class RoundStats:
 
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
-    """``tokens [B, max_new_tokens]`` generated ids (``-1`` padded), ``lengths [B]``, per-round stats."""
+    """``tokens [B, max_new_tokens]`` generated ids (``-1`` padded), ``lengths [B]``, per-round stats.
+
+    Statistics, each over the rounds in which a request was live ("request-rounds"):
+
+    - ``tau``: tokens returned per request-round, ``lengths.sum() / request-rounds``: what a user gets
+      per round, consistent with the returned tokens;
+    - ``acceptance_length``: mean of (accepted drafts + 1) per request-round, before any cut at a stop
+      token or ``max_new_tokens`` (the DDTree paper's acceptance length, for research);
+    - ``mean_expected``: mean exact expected accepted drafts per request-round (bonus excluded).
+    """
 
     tokens: np.ndarray
     lengths: np.ndarray
     rounds: list[RoundStats]
     seconds: float
 
+    def _live(self) -> np.ndarray:
+        return np.concatenate([r.accepted >= 0 for r in self.rounds]) if self.rounds else np.zeros(0, bool)
+
+    @property
+    def request_rounds(self) -> int:
+        """Rounds summed over requests, each counted while it was live."""
+        return int(self._live().sum())
+
     @property
     def tau(self) -> float:
-        """Mean acceptance length per round and request, bonus token included."""
-        accepted = np.concatenate([r.accepted for r in self.rounds])
-        return float(np.mean(accepted[accepted >= 0] + 1)) if accepted.size else float("nan")
+        """Tokens returned per request-round."""
+        return float(self.lengths.sum() / self.request_rounds) if self.request_rounds else float("nan")
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean accepted drafts + 1 per request-round, unaffected by stop tokens and ``max_new_tokens``."""
+        accepted = np.concatenate([r.accepted for r in self.rounds])[self._live()] if self.rounds else []
+        return float(np.mean(accepted + 1)) if len(accepted) else float("nan")
 
     @property
     def mean_expected(self) -> float:
-        """Mean exact expected accepted drafts per round (bonus excluded)."""
-        pairs = [(r.expected, r.accepted) for r in self.rounds]
-        values = np.concatenate([e[a >= 0] for e, a in pairs]) if pairs else np.zeros(0)
-        return float(np.mean(values)) if values.size else float("nan")
+        """Mean exact expected accepted drafts per request-round (bonus excluded)."""
+        values = np.concatenate([r.expected for r in self.rounds])[self._live()] if self.rounds else []
+        return float(np.mean(values)) if len(values) else float("nan")
 
     @property
     def tokens_per_s(self) -> float:
         return float(self.lengths.sum() / self.seconds) if self.seconds > 0 else float("nan")
 
     def summary(self) -> dict:
-        """Machine-readable statistics (used by the CLI's ``--json``)."""
+        """Machine-readable statistics (used by the CLI's ``--json``); see the class docstring."""
         return {
             "tau": self.tau,
+            "acceptance_length": self.acceptance_length,
             "expected_accepted": self.mean_expected,
             "rounds": len(self.rounds),
+            "request_rounds": self.request_rounds,
             "tokens": int(self.lengths.sum()),
             "tokens_per_s": self.tokens_per_s,
             "seconds": self.seconds,
@@ -169,13 +197,15 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
 
 
 def _append_tokens(state, emitted_BD, count_B, stop_tokens, max_new_tokens):
-    """Write this round's emitted tokens after each live request's output, truncating at a stop token."""
+    """Write this round's emitted tokens after each live request's output, truncating at a stop token
+    and at ``max_new_tokens``."""
     depth = emitted_BD.shape[1]
     pos = jnp.arange(depth)[None, :]
     valid = (pos < count_B[:, None]) & ~state.done[:, None]
     is_stop = jnp.isin(emitted_BD, stop_tokens) & valid
     first_stop = jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), depth)
-    count = jnp.where(state.done, 0, jnp.minimum(count_B, first_stop + 1))
+    room = max_new_tokens - state.num_generated
+    count = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(count_B, first_stop + 1), room))
     keep = pos < count[:, None]
     rows = jnp.arange(emitted_BD.shape[0])[:, None]
     slots = jnp.where(keep, state.num_generated[:, None] + pos, state.tokens.shape[1])
@@ -185,14 +215,12 @@ def _append_tokens(state, emitted_BD, count_B, stop_tokens, max_new_tokens):
     return tokens, num_generated, done
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "max_new_tokens", "with_expected", "mesh"),
-                   donate_argnums=(2,))
-def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sampling: SamplingParams, key,
-                 request_ids, draft_temperature, stop_tokens, *, spec: RoundSpec, max_new_tokens: int,
-                 with_expected: bool = True, mesh: Mesh | None = None):
+def _round(target: Target, drafter: Drafter | None, state: DecodeState, sampling: SamplingParams, key,
+           request_ids, draft_temperature, stop_tokens, *, spec: RoundSpec, max_new_tokens: int,
+           with_expected: bool = True, mesh: Mesh | None = None):
     """One round for every request (see the module docstring). Returns the new state and
-    ``(accepted [B], tree_size [B], expected [B])``. With a ``mesh``, the state keeps the layout of
-    `sharding.state_shardings` (see `ddtree_jax.sharding`)."""
+    ``(accepted [B], emitted [B], tree_size [B], expected [B])`` (see `RoundStats`). With a ``mesh``,
+    the state keeps the layout of `sharding.state_shardings` (see `ddtree_jax.sharding`)."""
     live = ~state.done
     if spec.method == "ar":
         tree, drafter_cache = _trivial_tree(state.root), state.drafter_cache
@@ -223,8 +251,41 @@ def decode_round(target: Target, drafter: Drafter | None, state: DecodeState, sa
         expected = jnp.zeros(live.shape, jnp.float32)
     new_state = DecodeState(target_cache, drafter_cache, jnp.where(live, res.bonus, state.root), ctx_feats,
                             num_keep, tokens, num_generated, done, state.round + 1)
-    stats = (jnp.where(live, res.num_accepted, -1), tree.num_nodes, expected)
+    stats = (jnp.where(live, res.num_accepted, -1), num_generated - state.num_generated, tree.num_nodes, expected)
     return sharding.constrain_state(new_state, mesh), stats
+
+
+_ROUND_STATICS = ("spec", "max_new_tokens", "with_expected", "mesh")
+
+
+@functools.partial(jax.jit, static_argnames=_ROUND_STATICS, donate_argnums=(2,))
+def decode_round(*args, **kwargs):
+    """One jitted round (`_round`, same arguments) with the state donated: what benchmarks time."""
+    return _round(*args, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=(*_ROUND_STATICS, "chunk"), donate_argnums=(2,))
+def decode_rounds(target: Target, drafter: Drafter | None, state: DecodeState, sampling: SamplingParams, key,
+                  request_ids, draft_temperature, stop_tokens, limit, *, spec: RoundSpec, max_new_tokens: int,
+                  with_expected: bool = True, mesh: Mesh | None = None, chunk: int):
+    """Up to ``limit <= chunk`` rounds (``limit`` traced) in one device loop, ending early once every
+    request is done: no host round trip between rounds. Returns the state, the rounds' statistics
+    (each ``[chunk, B]``, in the order of `_round`'s; rows past the rounds run hold ``-1`` / 0) and
+    the number of rounds run."""
+    batch = state.root.shape[0]
+    empty = (jnp.full((chunk, batch), -1, jnp.int32), jnp.zeros((chunk, batch), jnp.int32),
+             jnp.zeros((chunk, batch), jnp.int32), jnp.zeros((chunk, batch), jnp.float32))
+
+    def body(carry):
+        i, state, stats = carry
+        state, round_stats = _round(target, drafter, state, sampling, key, request_ids, draft_temperature,
+                                    stop_tokens, spec=spec, max_new_tokens=max_new_tokens,
+                                    with_expected=with_expected, mesh=mesh)
+        return i + 1, state, tuple(s.at[i].set(r) for s, r in zip(stats, round_stats))
+
+    count, state, stats = jax.lax.while_loop(lambda c: (c[0] < jnp.minimum(limit, chunk)) & ~jnp.all(c[1].done),
+                                             body, (jnp.int32(0), state, empty))
+    return state, stats, count
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "max_len", "max_new_tokens", "mesh"))
@@ -340,6 +401,7 @@ def generate(
     matmul_impl: str = "auto",
     on_round: Callable[[np.ndarray, np.ndarray, RoundStats], None] | None = None,
     mesh: Mesh | None = None,
+    chunk_rounds: int = 16,
 ) -> GenerateResult:
     """Generate up to ``max_new_tokens`` per request with AR, DFlash chain or DDTree decoding.
 
@@ -364,16 +426,21 @@ def generate(
       matmul_impl: the projections (``"auto" | "xla" | "pallas" | "interpret"``): the Pallas skinny
         matmul for the small products of decoding on a supported GPU without a mesh (auto), XLA
         elsewhere; see `ddtree_jax.kernels`.
-      on_round: called after each round with ``(tokens [B, *], num_generated [B], stats)`` (host arrays),
-        e.g. to stream text.
+      on_round: called for each round with ``(tokens [B, *], num_generated [B], stats)`` (host arrays:
+        the tokens generated up to that round, ``-1`` after them), e.g. to stream text. After the first
+        round, rounds run ``chunk_rounds`` at a time in one device loop, so the calls of a chunk come
+        together after it.
       mesh: a ``("dp", "tp")`` device mesh (`sharding.make_mesh`): the target runs tensor-parallel over
         ``"tp"``, requests are split over ``"dp"`` (see `ddtree_jax.sharding`); tokens do not depend on it.
+      chunk_rounds: rounds per device loop (`decode_rounds`); the host reads the state once per chunk.
+        Tokens do not depend on it.
 
     Returns:
       ``GenerateResult`` (tokens ``[batch, max_new_tokens]``, ``-1`` padded; lengths; statistics).
     """
     spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl, matmul_impl)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
+    chunk_rounds = checks.positive_int("chunk_rounds", chunk_rounds, maximum=4096)
     checks.draft_temperature(draft_temperature)
     prompt_BT, prompt_len_B = _pad_prompts(prompt_ids, target.config.vocab_size)
     batch = prompt_BT.shape[0]
@@ -406,23 +473,29 @@ def generate(
     state = prefill(target, drafter, prompt_BT, prompt_len_B, spec=spec, max_len=max_len,
                     max_new_tokens=max_new_tokens, mesh=mesh)
     args = (SamplingParams(t, k, p), key, request_ids, jnp.float32(draft_temperature), jnp.asarray(stop))
-    round_fn = decode_round.lower(target, drafter, state, *args, spec=spec, max_new_tokens=max_new_tokens,
-                                  with_expected=with_expected, mesh=mesh).compile()
+    rounds_fn = decode_rounds.lower(target, drafter, state, *args, jnp.int32(1), spec=spec,
+                                    max_new_tokens=max_new_tokens, with_expected=with_expected, mesh=mesh,
+                                    chunk=chunk_rounds).compile()
     jax.block_until_ready(state)  # the prefill is not part of the rounds' time
     rounds, start = [], time.perf_counter()
     while True:
         tick = time.perf_counter()
-        state, (accepted, tree_size, expected) = round_fn(target, drafter, state, *args)
-        done = np.asarray(state.done)
-        stats = RoundStats(np.asarray(accepted), np.asarray(tree_size), np.asarray(expected),
-                           time.perf_counter() - tick)
-        rounds.append(stats)
-        if on_round is not None:
-            on_round(np.asarray(state.tokens), np.asarray(state.num_generated), stats)
+        # The first loop runs one round, so that the first tokens stream without waiting for a chunk.
+        state, stats, count = rounds_fn(target, drafter, state, *args, jnp.int32(chunk_rounds if rounds else 1))
+        count, done = int(count), np.asarray(state.done)
+        accepted, emitted, tree_size, expected = (np.asarray(x)[:count] for x in stats)
+        seconds = (time.perf_counter() - tick) / max(count, 1)
+        tokens = np.asarray(state.tokens) if on_round is not None else None
+        generated = np.asarray(state.num_generated) - emitted[::-1].cumsum(0)[::-1] + emitted
+        for r in range(count):
+            rounds.append(RoundStats(accepted[r], emitted[r], tree_size[r], expected[r], seconds))
+            if on_round is not None:
+                so_far = np.where(np.arange(tokens.shape[1])[None, :] < generated[r][:, None], tokens, -1)
+                on_round(so_far, generated[r], rounds[-1])
         if done.all():
             break
     seconds = time.perf_counter() - start
-    lengths = np.minimum(np.asarray(state.num_generated), max_new_tokens)
+    lengths = np.asarray(state.num_generated)
     tokens = np.asarray(state.tokens)[:, :max_new_tokens]
     tokens = np.where(np.arange(max_new_tokens)[None, :] < lengths[:, None], tokens, -1)
     return GenerateResult(tokens=tokens, lengths=lengths, rounds=rounds, seconds=seconds)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from ddtree_jax import oracle
+from ddtree_jax import engine, oracle
 from ddtree_jax.engine import generate
 from ddtree_jax.models import DFlashConfig, Qwen3Config, init_drafter, init_target, target_logits
 
@@ -127,10 +127,65 @@ def test_statistics_are_consistent():
     res = generate(target, drafter, PROMPTS, method="ddtree", budget=24, max_new_tokens=20, temperature=1.0)
     summary = res.summary()
     assert summary["rounds"] == len(res.rounds) and summary["tokens"] == 20 * len(PROMPTS)
+    live = np.stack([r.accepted >= 0 for r in res.rounds])
+    assert summary["request_rounds"] == live.sum()
+    assert summary["tau"] == pytest.approx(summary["tokens"] / live.sum())  # consistent with the tokens returned
+    accepted = np.stack([r.accepted for r in res.rounds])
+    assert summary["acceptance_length"] == pytest.approx(np.mean(accepted[live] + 1))
+    assert summary["acceptance_length"] >= summary["tau"]  # the last round's tokens past the limit are cut
     assert 1.0 <= summary["tau"] <= drafter.config.block_size
     assert 0.0 <= summary["expected_accepted"] <= 24
+    emitted = np.stack([r.emitted for r in res.rounds])
+    np.testing.assert_array_equal(emitted.sum(0), res.lengths)
+    assert np.all(emitted[~live] == 0)
     for r in res.rounds:
         assert np.all(r.tree_size[r.accepted >= 0] == 25)  # V^L >= budget: full trees
+
+
+def round_by_round(target, drafter, prompts, *, method, budget, temperature, max_new_tokens, key):
+    """The rounds one jitted call at a time, reading the state back after each (no device loop)."""
+    spec = engine.make_spec(target, drafter, method, budget, None)
+    drafter = None if method == "ar" else drafter
+    batch, length = len(prompts), max(map(len, prompts))
+    prompt_BT = jnp.asarray([p + [0] * (length - len(p)) for p in prompts], jnp.int32)
+    lengths_B = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    state = engine.prefill(target, drafter, prompt_BT, lengths_B, spec=spec,
+                           max_len=length + max_new_tokens + spec.depth + spec.num_nodes + 1,
+                           max_new_tokens=max_new_tokens)
+    full = lambda v, dtype: jnp.full((batch,), v, dtype)  # noqa: E731
+    args = (engine.SamplingParams(full(temperature, jnp.float32), full(0, jnp.int32), full(1.0, jnp.float32)), key,
+            jnp.arange(batch, dtype=jnp.int32), jnp.float32(1.0), jnp.asarray([-2], jnp.int32))
+    while not bool(np.asarray(state.done).all()):
+        state, _ = engine.decode_round(target, drafter, state, *args, spec=spec, max_new_tokens=max_new_tokens)
+    return np.asarray(state.tokens)[:, :max_new_tokens]
+
+
+@pytest.mark.parametrize("method,temperature", [("ar", 1.0), ("ddtree", 0.0), ("ddtree", 1.0)])
+def test_device_loop_gives_the_tokens_of_the_round_by_round_loop(method, temperature):
+    target, drafter = tiny_pair(vocab=8)
+    key = jax.random.key(5)
+    want = round_by_round(target, drafter, PROMPTS, method=method, budget=6, temperature=temperature,
+                          max_new_tokens=14, key=key)
+    for chunk in (1, 3, 64):
+        res = generate(target, drafter, PROMPTS, method=method, budget=6, topk_cap=None, temperature=temperature,
+                       max_new_tokens=14, key=key, chunk_rounds=chunk)
+        np.testing.assert_array_equal(res.tokens, want)
+
+
+def test_streamed_tokens_are_the_returned_tokens_and_stop_at_max_new_tokens():
+    target, drafter = tiny_pair(vocab=8)
+    seen = []
+    res = generate(target, drafter, PROMPTS, method="chain", temperature=0.0, max_new_tokens=11, chunk_rounds=2,
+                   on_round=lambda tokens, generated, round_stats: seen.append((tokens.copy(), generated.copy(),
+                                                                                round_stats)))
+    assert len(seen) == len(res.rounds)
+    for (tokens, generated, round_stats), before in zip(seen, [np.zeros(len(PROMPTS), int)] + [g for _, g, _ in seen]):
+        assert np.all(generated <= 11)
+        np.testing.assert_array_equal(generated - before, round_stats.emitted)
+        for b in range(len(PROMPTS)):
+            assert tokens[b, :generated[b]].tolist() == res.tokens[b, :generated[b]].tolist()
+            assert np.all(tokens[b, generated[b]:] == -1)
+    np.testing.assert_array_equal(seen[-1][1], res.lengths)
 
 
 @pytest.mark.parametrize(
@@ -149,6 +204,7 @@ def test_statistics_are_consistent():
         (dict(max_len=8), "max_len"),
         (dict(max_new_tokens=10**6), "max_position_embeddings"),
         (dict(stop_tokens=[50]), "stop_tokens"),
+        (dict(chunk_rounds=0), "chunk_rounds"),
     ],
 )
 def test_bad_input_gets_a_clear_error(kwargs, message):

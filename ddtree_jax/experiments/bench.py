@@ -226,7 +226,7 @@ def bench_shapes(args, emit) -> None:
     target, drafter = make_models(args.shapes)
     decode_floor, round_floor = rooflines(target, drafter, args.hbm_tbps * 1e12)
     print(f"decode roofline {decode_floor:.2f} ms, DDTree round floor {round_floor:.2f} ms", flush=True)
-    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl)
+    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl)
     for batch in args.batches:
         sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
         for context in args.contexts:
@@ -277,6 +277,69 @@ def bench_shapes(args, emit) -> None:
                 emit(row)
 
 
+def prefill_flops(target, batch: int, length: int) -> float:
+    """Matmul FLOPs of a causal prefill of ``length`` tokens: 2 x the streamed weights' parameters per
+    token (the LM head for the last token only) plus the attention scores and values (half of them,
+    causal)."""
+    cfg, p = target.config, target.params
+    layer_params = sum(x.size for x in jax.tree_util.tree_leaves(p.layers))
+    head = (p.embed if p.lm_head is None else p.lm_head).size
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * length * length / 2
+    return batch * (2 * layer_params * length + 2 * head + attention)
+
+
+def bench_generate(args, emit) -> None:
+    """Part 3: ``generate()`` end to end, as a user calls it, next to the jitted round alone, at the
+    shapes of part 1 (random weights: every round emits one token). Per batch, context (the prompt
+    length) and method: the per-round wall time of ``generate`` (its rounds' time over the rounds),
+    tokens/s, the time to the first streamed token (prefill and first round, warm), the jitted round
+    alone and their ratio; and the prefill against its matmul-FLOP roofline."""
+    target, drafter = make_models(args.shapes)
+    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl)
+    methods = [("ar", 1), ("chain", 1)] + [("ddtree", b) for b in args.budgets]
+    for batch in args.batches:
+        sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
+        for context in args.contexts:
+            prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, context)).tolist()
+            prefill_ms = _prefill_ms(target, drafter, prompts, args.repeats, impls)
+            flops = prefill_flops(target, batch, context)
+            print(f"batch {batch} context {context}: prefill {prefill_ms:.2f} ms = {flops / prefill_ms / 1e9:.0f} "
+                  f"TFLOP/s ({prefill_ms / (1e3 * flops / (args.peak_tflops * 1e12)):.2f}x its "
+                  f"{args.peak_tflops:.0f} TFLOP/s roofline)", flush=True)
+            for method, budget in methods:
+                run = functools.partial(engine.generate, target, drafter, prompts, method=method, budget=budget,
+                                        topk_cap=args.topk_cap or None, temperature=args.temperature,
+                                        top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.new_tokens,
+                                        with_expected=False, **impls)
+                run()  # compiles
+                streamed = []
+                start = time.perf_counter()
+                res = run(on_round=lambda *_, seen=streamed: seen.append(time.perf_counter()))
+                first_token_ms = 1e3 * (streamed[0] - start)
+                generate_round_ms = 1e3 * res.seconds / len(res.rounds)
+                spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, **impls)
+                state = make_state(target, drafter, spec, batch, context, max_new=args.new_tokens)
+                round_ms = median_ms(round_runner(target, drafter, spec, state, sampling), args.repeats)
+                row = dict(batch=batch, context=context, method=method, budget=budget, rounds=len(res.rounds),
+                           generate_round_ms=generate_round_ms, jitted_round_ms=round_ms,
+                           overhead=generate_round_ms / round_ms, tokens_per_s=res.tokens_per_s,
+                           first_token_ms=first_token_ms, prefill_ms=prefill_ms,
+                           prefill_tflops=flops / prefill_ms / 1e9)
+                emit(row)
+                print(f"  {method:>6} B={budget:<4d} generate {generate_round_ms:6.2f} ms per round vs the jitted "
+                      f"round {round_ms:6.2f} ms ({row['overhead']:.3f}x) | {res.tokens_per_s:7.1f} tokens/s | "
+                      f"first token {first_token_ms:.1f} ms", flush=True)
+
+
+def _prefill_ms(target, drafter, prompts, repeats, impls) -> float:
+    """Median ms of the engine's prefill of ``prompts`` (target cache and drafter context)."""
+    spec = engine.make_spec(target, drafter, "ddtree", 16, None, **impls)
+    prompt_BT, lengths_B = jnp.asarray(prompts, jnp.int32), jnp.full((len(prompts),), len(prompts[0]), jnp.int32)
+    fn = functools.partial(engine.prefill, target, drafter, prompt_BT, lengths_B, spec=spec,
+                           max_len=prompt_BT.shape[1] + 64, max_new_tokens=32)
+    return median_ms(lambda: fn().root, repeats)
+
+
 def bench_embedded(args, emit) -> None:
     """Part 2: AR, chain and DDTree (B = 64) on the embedded pair; calls ``emit(row)`` per run."""
     from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR
@@ -299,7 +362,8 @@ def bench_embedded(args, emit) -> None:
                 res = generate(max_new_tokens=args.new_tokens)  # times the rounds only, not compilation
                 base = base or res.tokens_per_s
                 emit(dict(batch=batch, temperature=temperature, method=method, budget=budget, tau=res.tau,
-                          tokens_per_s=res.tokens_per_s, speedup_over_ar=res.tokens_per_s / base))
+                          acceptance_length=res.acceptance_length, tokens_per_s=res.tokens_per_s,
+                          speedup_over_ar=res.tokens_per_s / base))
                 print(f"embedded batch {batch} T={temperature:g} {method:>6}: tau {res.tau:.2f}, "
                       f"{res.tokens_per_s:,.0f} tokens/s, {res.tokens_per_s / base:.2f}x AR", flush=True)
 
@@ -324,6 +388,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="target top-p of part 1")
     p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
     p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto")
+    p.add_argument("--matmul-impl", choices=["auto", "xla", "pallas"], default="auto",
+                   help="the projections: XLA (auto) or the Pallas skinny matmul")
+    p.add_argument("--generate", action="store_true",
+                   help="also run part 3: generate() end to end next to the jitted round, and the prefill")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul rate of the prefill roofline")
     p.add_argument("--mesh-check", action="store_true",
                    help="also time the first budget's round under a one-device mesh vs without (XLA attention)")
     p.add_argument("--profile", action="store_true",
@@ -350,7 +419,7 @@ def run_from_args(args) -> int:
                             date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
                             settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                                       if k != "func"}),
-                  shapes=[], embedded=[])
+                  shapes=[], generate=[], embedded=[])
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def emitter(part):
@@ -361,6 +430,8 @@ def run_from_args(args) -> int:
 
     if not args.skip_shapes:
         bench_shapes(args, emitter("shapes"))
+    if args.generate:
+        bench_generate(args, emitter("generate"))
     if args.embedded:
         bench_embedded(args, emitter("embedded"))
     args.out.write_text(json.dumps(result, indent=1))
