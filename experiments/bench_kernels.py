@@ -61,8 +61,12 @@ SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128
                  "m64k64w4s3p528")
 _SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages",
                  "p": "min_programs", "c": "min_chunk"}
-SAMPLING_PARAMS = {"T1": (1.0, 0, 1.0), "T0.7_k50_p0.9": (0.7, 50, 0.9)}
-_FUSED_FIELDS = ("block_v", "num_warps", "num_stages", "stats_blocks", "parallel_rows")  # of --fused-configs
+# (temperature, top_k, top_p). T2.5_p0.9: flat rows whose sub-block maxima confine no candidates (the
+# whole-GPU floor passes); T1_k1000: 256 < candidates <= capacity (the register search of a larger
+# tile); T2_p0.99: kept sets beyond the capacity (streamed in the walk).
+SAMPLING_PARAMS = {"T1": (1.0, 0, 1.0), "T0.7_k50_p0.9": (0.7, 50, 0.9), "T2.5_p0.9": (2.5, 0, 0.9),
+                   "T1_k1000": (1.0, 1000, 1.0), "T2_p0.99": (2.0, 0, 0.99)}
+_FUSED_FIELDS = ("block_v", "num_warps", "num_stages", "stats_blocks", "parallel_rows", "capacity")
 
 
 def tree_mask(num_nodes: int) -> np.ndarray:
@@ -354,11 +358,11 @@ def sweep_config(text: str) -> TreeAttentionConfig:
 
 
 def fused_config(text: str) -> SamplerConfig:
-    """``"block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]]"`` -> that ``SamplerConfig``
-    (its defaults for the fields left out)."""
+    """``"block_v:num_warps:num_stages[:stats_blocks[:parallel_rows[:capacity]]]"`` -> that
+    ``SamplerConfig`` (its defaults for the fields left out)."""
     values = [int(x) for x in text.split(":")]
-    if len(values) not in (3, 4, 5):
-        raise ValueError("a fused config is block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]], "
+    if not 3 <= len(values) <= len(_FUSED_FIELDS):
+        raise ValueError("a fused config is block_v:num_warps:num_stages[:stats_blocks[:parallel_rows[:capacity]]], "
                          f"got {text!r}")
     return SamplerConfig(**dict(zip(_FUSED_FIELDS, values)))
 
@@ -398,7 +402,8 @@ def main(argv=None):
     parser.add_argument("--sampling-params", default=",".join(SAMPLING_PARAMS),
                         help=f"sampling parameter sets, from {list(SAMPLING_PARAMS)}")
     parser.add_argument("--fused-configs", default="32768:8:1",
-                        help="fused sampler configs block_v:num_warps:num_stages[:stats_blocks[:parallel_rows]], "
+                        help="fused sampler configs block_v:num_warps:num_stages[:stats_blocks[:parallel_rows"
+                             "[:capacity]]], "
                              "comma-separated (stats_blocks: vocabulary blocks per program of the "
                              "row-statistics pass, default 1; parallel_rows: up to this many node rows the "
                              "candidates are found over the whole GPU, default "

@@ -12,6 +12,9 @@ device, over shapes too large for the CPU.
   greedy and sampled requests mixed in a batch, float32 and bf16 logits, kept sets searched among
   candidates and, with top-k beyond the candidate capacity, by passes over the row; accepted paths
   and tokens must be identical.
+- ``matmul``: the skinny-matmul kernel (the device's policy configs) against its reference on
+  Qwen3-8B's projections with their prologue and epilogues at M = 1, 16, 65, 520 and on ragged
+  shapes; within bf16 rounding of the float32-accumulated reference.
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
 """
@@ -28,9 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import kernels
 from ddtree_jax.verify import verify_from_coins
 from experiments.bench_kernels import compare_results, fused_sampler, sampling_inputs
 from pallas_kernels.configs import tree_attention_config
+from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
@@ -78,6 +83,40 @@ def check_sampling(interpret=False, cases=SAMPLING_CASES):
             out = fused_sampler(SamplerConfig(capacity=capacity), interpret)(*args)
             same = compare_results(out, verify_from_coins(*args))
             return dict(same, ok=same["identical"], mean_accepted=float(np.mean(np.asarray(out.num_accepted))))
+
+        records.append(_run_case(record, check))
+    return records
+
+
+# (M, K, N, gated, RMSNorm prologue, residual epilogue, columns)
+MATMUL_CASES = [(m, k, n, gated, norm, residual, None) for m in (1, 16, 65, 520)
+                for k, n, gated, norm, residual in ((4096, 6144, False, True, False), (4096, 4096, False, False, True),
+                                                    (4096, 24576, True, True, False),
+                                                    (12288, 4096, False, False, True))]
+MATMUL_CASES += [(3, 1000, 77, False, True, True, None), (33, 300, 130, True, True, False, None),
+                 (7, 4096, 6144, False, False, False, (4096, 6144))]
+
+
+def check_matmul(interpret=False, cases=MATMUL_CASES):
+    """The skinny matmul (``kernels.matmul_fn("pallas")``, or interpreted) against its reference."""
+    product = kernels.matmul_fn("interpret" if interpret else "pallas")
+    records = []
+    for seed, (m, k, n, gated, norm, residual, columns) in enumerate(cases):
+        keys = jax.random.split(jax.random.key(seed), 4)
+        n_out = (n if columns is None else columns[1] - columns[0]) // (2 if gated else 1)
+        kwargs = dict(gated=gated, columns=columns,
+                      norm_K=(1 + 0.1 * jax.random.normal(keys[2], (k,))).astype(jnp.bfloat16) if norm else None,
+                      residual_MN=jax.random.normal(keys[3], (m, n_out), jnp.bfloat16) if residual else None)
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        w = (jax.random.normal(keys[1], (k, n)) * k ** -0.5).astype(jnp.bfloat16)
+        record = dict(part="matmul", m=m, k=k, n=n, gated=gated, norm=norm, residual=residual, columns=columns)
+
+        def check(x=x, w=w, kwargs=kwargs):
+            out = np.asarray(product(x, w, **kwargs), np.float32)
+            ref = np.asarray(matmul_reference(x, w, **kwargs), np.float32)
+            err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
+            ok = bool(np.isfinite(out).all() and err <= 2e-2 * max(scale, 1))
+            return dict(max_abs_err=err, ref_scale=scale, ok=ok)
 
         records.append(_run_case(record, check))
     return records
@@ -167,16 +206,16 @@ def main(argv=None):
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--backends", default="triton",
                         help="comma-separated tree-attention backends to check: triton, mosaic")
-    parser.add_argument("--parts", default="attention,sampling", help="attention and/or sampling")
+    parser.add_argument("--parts", default="attention,sampling,matmul", help="attention, sampling and/or matmul")
     args = parser.parse_args(argv)
     backends = tuple(args.backends.split(","))
     if not set(backends) <= {"triton", "mosaic"}:
         raise ValueError(f"--backends must list triton and/or mosaic, got {args.backends!r}")
     parts = args.parts.split(",")
-    if not set(parts) <= {"attention", "sampling"}:
-        raise ValueError(f"--parts must list attention and/or sampling, got {args.parts!r}")
+    if not set(parts) <= {"attention", "sampling", "matmul"}:
+        raise ValueError(f"--parts must list attention, sampling and/or matmul, got {args.parts!r}")
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-    checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling)
+    checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

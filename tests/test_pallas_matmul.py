@@ -132,3 +132,17 @@ def test_config_splits_k_until_the_grid_is_full():
         assert config.block_m == 16 and config.splits >= 1
         assert columns * config.splits >= policy.min_programs or config.splits == k // config.block_k // 2
     assert matmul_config(policy, 100, 4096, 4096).block_m == 128
+
+
+def test_gpu_equality_script_matmul_checks_run_interpreted():
+    """`experiments/check_kernels.py`'s matmul part on small cases through the interpreter."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.check_kernels import check_matmul
+
+    cases = [(3, 100, 48, False, True, True, None), (5, 64, 64, True, True, False, None),
+             (2, 64, 96, False, False, False, (32, 96))]
+    records = check_matmul(interpret=True, cases=cases)
+    assert [r["ok"] for r in records] == [True, True, True], records

@@ -214,15 +214,16 @@ def test_gpu_equality_script_sampling_checks_run_interpreted():
 
 
 def test_benchmark_launch_configs():
-    """`experiments/bench_kernels.py --fused-configs`: stats_blocks and parallel_rows may be left out."""
+    """`experiments/bench_kernels.py --fused-configs`: stats_blocks, parallel_rows and capacity may be left out."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from experiments.bench_kernels import fused_config, fused_name
 
     assert fused_config("32768:8:1") == SamplerConfig(block_v=32768, num_warps=8, num_stages=1)
     assert fused_config("32768:8:1:4") == SamplerConfig(block_v=32768, num_warps=8, num_stages=1, stats_blocks=4)
     assert fused_config("32768:8:1").parallel_rows == PARALLEL_ROWS
-    assert fused_name(fused_config("16384:16:1:8:0"), 2) == "fused_16384_16_1_8_0"
-    for bad in ("32768:8", "1:2:3:4:5:6"):
+    assert fused_name(fused_config("16384:16:1:8:0"), 2) == "fused_16384_16_1_8_0_2048"
+    assert fused_config("32768:8:1:1:1024:256").capacity == 256
+    for bad in ("32768:8", "1:2:3:4:5:6:7"):
         with pytest.raises(ValueError, match="block_v:num_warps:num_stages"):
             fused_config(bad)
 
