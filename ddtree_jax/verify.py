@@ -124,7 +124,7 @@ def _node_on_cycle(next_token_N: np.ndarray, next_sibling_N: np.ndarray) -> int 
     out = [[int(j) for j in (next_token_N[k], next_sibling_N[k]) if j >= 0] for k in range(n)]
     incoming = np.zeros(n, np.int64)
     for targets in out:
-        incoming[targets] += 1
+        np.add.at(incoming, targets, 1)  # both links of a node may point to the same node
     free = [k for k in range(n) if incoming[k] == 0]
     while free:
         for j in out[free.pop()]:
