@@ -71,9 +71,10 @@ def _doubling_steps(n: int) -> int:
 def _reached_from_root(next_token_BN: Int[Array, "B N"], next_sibling_BN: Int[Array, "B N"]) -> Array:
     """bool ``[B, N]``: the nodes reached from node 0 along the links (node 0 included).
 
-    The one-step reachability matrix is squared ``log2 N`` times: a path from the root is at most
-    ``N - 1`` links long. Nodes that are not reached may hold links of their own (even into the
-    tree); they belong to no tree, so their links are ignored.
+    The one-step reachability matrix is squared ``log2 N`` times (a path from the root is at most
+    ``N - 1`` links long): ``B N^3 log2 N`` flops in matrix products, small at the tree sizes that
+    are verified. Nodes that are not reached may hold links of their own (even into the tree); they
+    belong to no tree, so their links are ignored.
     """
     n = next_token_BN.shape[1]
     step = jax.nn.one_hot(next_token_BN, n) + jax.nn.one_hot(next_sibling_BN, n)  # -1: a zero row
