@@ -9,6 +9,8 @@ Conventions (docs/design.md, "Conventions"):
   search; the remaining slots are padding (``token 0, parent -1, depth 0, logw -inf``).
 * Depth ``d >= 1`` of the tree uses row ``d - 1`` of the draft logits.
 * Children of a node are listed in ascending node index (= descending draft probability).
+  The verification functions take any valid first-child / next-sibling encoding instead (links
+  to any node in any order; ``_check_walk_inputs``) and follow its sibling lists.
 
 All functions take anything ``np.asarray`` accepts and return NumPy arrays. Functions taking a
 tree accept any object with the ``Tree`` attributes (so a JAX ``DraftTree`` can be passed).
@@ -347,10 +349,49 @@ def _verify_result(paths, finals, slots, max_depth, candidates_BN):
     )
 
 
+def _descendants(first_child, next_sibling, node):
+    """Every node reached from ``node`` by one or more links (first-child or next-sibling)."""
+    seen, todo = set(), [node]
+    while todo:
+        k = todo.pop()
+        for target in (int(first_child[k]), int(next_sibling[k])):
+            if target >= 0 and target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def _check_request_links(b, first_child, next_sibling):
+    """No cycle of links, and the walk from node 0 over first-child then next-sibling links meets
+    no node twice. Nodes it never meets are not part of the tree (their links may point anywhere
+    else)."""
+    for node in range(len(first_child)):
+        if node in _descendants(first_child, next_sibling, node):
+            raise ValueError(f"next_token/next_sibling links of request {b} form a cycle "
+                             f"through node {node}")
+    met = [0]
+    for parent in met:  # grows while iterating: breadth first over the tree
+        for child in _children(first_child, next_sibling, parent):
+            if child in met:
+                raise ValueError(f"next_token/next_sibling links of request {b} reach node "
+                                 f"{child} twice from node 0")
+            met.append(child)
+
+
 def _check_walk_inputs(candidates_BN, next_token_BN, next_sibling_BN, max_depth):
     _require_rank("candidates", candidates_BN, 2)
     _require_shape("next_token", next_token_BN, candidates_BN.shape)
     _require_shape("next_sibling", next_sibling_BN, candidates_BN.shape)
+    slots = candidates_BN.shape[1]
+    for name, links in (("next_token", next_token_BN), ("next_sibling", next_sibling_BN)):
+        for b, k in zip(*np.nonzero((links < -1) | (links >= slots)), strict=True):
+            raise ValueError(f"{name} links must be -1 or a node index < {slots}: "
+                             f"{name}[{b}, {k}] = {links[b, k]} (request {b}, node {k})")
+    # Requests with the same links share one check (sampling tests repeat one tree many times).
+    _, first = np.unique(np.concatenate([next_token_BN, next_sibling_BN], axis=1), axis=0,
+                         return_index=True)
+    for b in np.sort(first):
+        _check_request_links(int(b), next_token_BN[b], next_sibling_BN[b])
     return _require_int("max_depth", max_depth, 0)
 
 
@@ -370,13 +411,15 @@ def tree_rejection_sample(
 
     Args:
       candidates: int ``[batch, N]``, node tokens.
-      next_token, next_sibling: int ``[batch, N]``, first-child / next-sibling links.
+      next_token, next_sibling: int ``[batch, N]``, first-child / next-sibling links: each -1
+        or a node id, no cycle, no node reached twice from node 0 (else ``ValueError`` naming
+        the request and node); nodes not reached are ignored.
       coins: float ``[batch, N]`` in ``(0, 1]``; ``coins[k]`` chooses among k's children.
       final_coins: float ``[batch]`` in ``(0, 1]``, for the final token.
       probs: float ``[batch, N, V]``; row k is the target distribution after node k.
       max_depth: most drafts accepted.
 
-    From the root, the children of the current node are walked in sibling order with
+    From the root, the children of the current node are walked in sibling-list order with
     ``acc += probs[cur, token(child)]`` (float64); the first child with ``coin <= acc`` is
     accepted and the walk continues from it with its own coin. When no child is accepted (or
     at a leaf, or after ``max_depth`` acceptances) the final token is the first ``t`` with
@@ -427,7 +470,8 @@ def tree_rejection_sample(
 def tree_greedy_verify(candidates, next_token, next_sibling, target_argmax, *, max_depth):
     """Greedy verification: from the root, accept the child whose token equals
     ``target_argmax[cur]`` (at most ``max_depth`` drafts); the bonus is ``target_argmax`` at
-    the last accepted node. Inputs are int ``[batch, N]``; returns a ``VerifyResult``."""
+    the last accepted node. Inputs are int ``[batch, N]``, links as in
+    ``tree_rejection_sample``; returns a ``VerifyResult``."""
     candidates_BN = np.asarray(candidates)
     next_token_BN = np.asarray(next_token)
     next_sibling_BN = np.asarray(next_sibling)

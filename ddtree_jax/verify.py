@@ -63,53 +63,141 @@ def result_from_path(accept_index_BD: Int[Array, "B D"], emitted_BD: Int[Array, 
     return VerifyResult(accept_index_BD, num_accepted, predicts, emitted_BD, bonus)
 
 
-def parents_from_fcns(next_token_BN: Int[Array, "B N"], next_sibling_BN: Int[Array, "B N"]) -> Int[Array, "B N"]:
-    """Parent array from first-child/next-sibling links (``-1`` for the root and unreachable nodes).
+def _doubling_steps(n: int) -> int:
+    """Pointer-doubling rounds that cover any chain of ``n`` nodes (``2**steps >= n``)."""
+    return max(1, int(np.ceil(np.log2(n))))
 
-    Each node's leftmost sibling is found by pointer doubling (``log2 N`` steps); its parent is the
-    node whose ``next_token`` points at that leftmost sibling.
+
+def _reached_from_root(next_token_BN: Int[Array, "B N"], next_sibling_BN: Int[Array, "B N"]) -> Array:
+    """bool ``[B, N]``: the nodes reached from node 0 along the links (node 0 included).
+
+    The one-step reachability matrix is squared ``log2 N`` times (a path from the root is at most
+    ``N - 1`` links long): ``B N^3 log2 N`` flops in matrix products, small at the tree sizes that
+    are verified. Nodes that are not reached may hold links of their own (even into the tree); they
+    belong to no tree, so their links are ignored.
+    """
+    n = next_token_BN.shape[1]
+    step = jax.nn.one_hot(next_token_BN, n) + jax.nn.one_hot(next_sibling_BN, n)  # -1: a zero row
+    reach = jnp.minimum(step + jnp.eye(n), 1.0)
+    for _ in range(_doubling_steps(n)):
+        reach = jnp.minimum(reach @ reach, 1.0)
+    return reach[:, 0] > 0
+
+
+def parents_and_sibling_ranks(next_token_BN: Int[Array, "B N"],
+                              next_sibling_BN: Int[Array, "B N"]) -> tuple[Int[Array, "B N"], Int[Array, "B N"]]:
+    """Each node's parent and its position in its parent's list of children, from first-child /
+    next-sibling links (any valid encoding: links may point to any node, in any order).
+
+    Returns ``(parents_BN, sibling_rank_BN)``, int32: parent ``-1`` for the root and for nodes not
+    reached from the root (rank 0 there). Links of unreached nodes are dropped first, so every node
+    has at most one incoming link; then pointer doubling (``log2 N`` rounds) along the reversed
+    sibling links finds each node's leftmost sibling and its distance to it (the rank), and the
+    parent is the node whose ``next_token`` is that leftmost sibling. Traceable; the result is
+    meaningful for valid encodings only (``_check_fcns``).
     """
     batch, n = next_token_BN.shape
     rows = jnp.arange(batch)[:, None]
     nodes = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
-    out_of_range = lambda x: jnp.where(x >= 0, x, n)  # noqa: E731
-    left = jnp.full((batch, n), -1, jnp.int32).at[rows, out_of_range(next_sibling_BN)].set(nodes, mode="drop")
-    first_of = jnp.full((batch, n), -1, jnp.int32).at[rows, out_of_range(next_token_BN)].set(nodes, mode="drop")
+    reached = _reached_from_root(next_token_BN, next_sibling_BN)
+    slots = lambda links: jnp.where(reached & (links >= 0), links, n)  # noqa: E731  (n: dropped)
+    left = jnp.full((batch, n), -1, jnp.int32).at[rows, slots(next_sibling_BN)].set(nodes, mode="drop")
+    first_of = jnp.full((batch, n), -1, jnp.int32).at[rows, slots(next_token_BN)].set(nodes, mode="drop")
     leftmost = jnp.where(left >= 0, left, nodes)
-    for _ in range(max(1, int(np.ceil(np.log2(n))))):
+    rank, up = (left >= 0).astype(jnp.int32), left
+    for _ in range(_doubling_steps(n)):
         leftmost = jnp.take_along_axis(leftmost, leftmost, axis=1)
-    return jnp.take_along_axis(first_of, leftmost, axis=1)
+        rank = rank + jnp.where(up >= 0, jnp.take_along_axis(rank, jnp.maximum(up, 0), axis=1), 0)
+        up = jnp.where(up >= 0, jnp.take_along_axis(up, jnp.maximum(up, 0), axis=1), -1)
+    return jnp.take_along_axis(first_of, leftmost, axis=1), rank
+
+
+def parents_from_fcns(next_token_BN: Int[Array, "B N"], next_sibling_BN: Int[Array, "B N"]) -> Int[Array, "B N"]:
+    """Parent array from first-child/next-sibling links (``-1`` for the root and unreachable nodes);
+    the inverse of ``compile_retrieve`` and of any other valid encoding (``parents_and_sibling_ranks``)."""
+    return parents_and_sibling_ranks(next_token_BN, next_sibling_BN)[0]
+
+
+def _node_on_cycle(next_token_N: np.ndarray, next_sibling_N: np.ndarray) -> int | None:
+    """A node on a cycle of links, or None: peel nodes without incoming links (Kahn); every node
+    left has an incoming link from another one left, so stepping back ``N`` times lands on a cycle."""
+    n = next_token_N.shape[0]
+    out = [[int(j) for j in (next_token_N[k], next_sibling_N[k]) if j >= 0] for k in range(n)]
+    incoming = np.zeros(n, np.int64)
+    for targets in out:
+        np.add.at(incoming, targets, 1)  # both links of a node may point to the same node
+    free = [k for k in range(n) if incoming[k] == 0]
+    while free:
+        for j in out[free.pop()]:
+            incoming[j] -= 1
+            if incoming[j] == 0:
+                free.append(j)
+    if not incoming.any():
+        return None
+    back = {j: k for k in range(n) if incoming[k] > 0 for j in out[k] if incoming[j] > 0}
+    node = int(np.flatnonzero(incoming)[0])
+    for _ in range(n):
+        node = back[node]
+    return node
+
+
+def _check_request_links(b: int, next_token_N: np.ndarray, next_sibling_N: np.ndarray) -> None:
+    """Raise unless request ``b``'s links are acyclic and reach no node twice from node 0."""
+    cycle = _node_on_cycle(next_token_N, next_sibling_N)
+    if cycle is not None:
+        raise ValueError(f"next_token/next_sibling links of request {b} form a cycle through node {cycle}")
+    via, todo = {0: "as the root"}, [0]
+    while todo:
+        k = todo.pop()
+        for name, links in (("next_token", next_token_N), ("next_sibling", next_sibling_N)):
+            j = int(links[k])
+            if j < 0:
+                continue
+            if j in via:
+                raise ValueError(f"next_token/next_sibling links of request {b} reach node {j} twice from node 0 "
+                                 f"({via[j]} and by {name}[{k}]); a node has one parent and one place among "
+                                 f"its siblings")
+            via[j] = f"by {name}[{k}]"
+            todo.append(j)
 
 
 def _check_fcns(candidates, next_token, next_sibling) -> None:
-    """Concrete-input checks of the low-level samplers' tree arguments."""
+    """Concrete-input checks of the low-level samplers' tree arguments: links in range or ``-1``,
+    no cycle, no node reached twice from node 0, distinct tokens among siblings."""
     n = candidates.shape[1]
     for name, x in (("next_token", next_token), ("next_sibling", next_sibling)):
         checks.array(name, x, ndim=2, kind="int")
         checks.same_leading(name, x, candidates.shape)
         if checks.is_concrete(x):
             host = np.asarray(x)
-            nodes = np.arange(n)[None, :]
-            if np.any((host != -1) & ((host <= nodes) | (host >= n))):
-                raise ValueError(f"{name} links must point to a larger node index < {n} or be -1")
-    if checks.is_concrete(next_token) and checks.is_concrete(next_sibling):
-        parents = np.asarray(parents_from_fcns(jnp.asarray(next_token), jnp.asarray(next_sibling)))
-        cand = np.asarray(candidates)
-        for b in range(cand.shape[0]):
-            for p in np.unique(parents[b][parents[b] >= 0]):
-                toks = cand[b][parents[b] == p]
-                if len(np.unique(toks)) != len(toks):
-                    raise ValueError(
-                        f"candidates: node {p} of request {b} has duplicate child tokens {toks.tolist()}"
-                    )
+            bad = np.argwhere((host < -1) | (host >= n))
+            if bad.size:
+                b, k = bad[0]
+                raise ValueError(f"{name} links must be -1 or a node index < {n}: {name}[{b}, {k}] = {host[b, k]} "
+                                 f"(request {b}, node {k})")
+    if not (checks.is_concrete(next_token) and checks.is_concrete(next_sibling)):
+        return
+    links = np.concatenate([np.asarray(next_token), np.asarray(next_sibling)], axis=1)
+    _, first = np.unique(links, axis=0, return_index=True)  # each distinct encoding once
+    for b in np.sort(first):
+        _check_request_links(int(b), links[b, :n], links[b, n:])
+    parents = np.asarray(parents_from_fcns(jnp.asarray(next_token), jnp.asarray(next_sibling)))
+    cand = np.asarray(candidates)
+    for b in range(cand.shape[0]):
+        for p in np.unique(parents[b][parents[b] >= 0]):
+            toks = cand[b][parents[b] == p]
+            if len(np.unique(toks)) != len(toks):
+                raise ValueError(
+                    f"candidates: node {p} of request {b} has duplicate child tokens {toks.tolist()}"
+                )
 
 
 @functools.partial(jax.jit, static_argnames="max_depth")
 def _rejection_sample(candidates, next_token, next_sibling, coins, final_coins, probs, *, max_depth):
-    parents = parents_from_fcns(next_token, next_sibling)
+    parents, ranks = parents_and_sibling_ranks(next_token, next_sibling)
     rows = jnp.arange(candidates.shape[0])
     path = reference.walk(candidates, parents, coins, final_coins, lambda cur: reference.ProbRow(probs[rows, cur]),
-                          max_depth)
+                          max_depth, ranks)
     return result_from_path(*path, candidates.shape[1])
 
 
@@ -127,15 +215,18 @@ def tree_rejection_sample(
 
     Args:
       candidates: int ``[batch, N]`` node tokens (node 0 = root).
-      next_token, next_sibling: int ``[batch, N]`` first-child/next-sibling links, children in
-        ascending index (as ``compile_retrieve`` produces), ``-1`` = none.
+      next_token, next_sibling: int ``[batch, N]`` first-child/next-sibling links, ``-1`` = none.
+        Any valid encoding: links point to any node in any order, as long as no link leaves
+        ``[0, N)``, no links form a cycle and no node is reached twice from node 0 (nodes not
+        reached are ignored). Children are visited in their sibling-list order.
       coins: ``[batch, N]`` in ``(0, 1]``; the coin of node ``k`` chooses among ``k``'s children.
       final_coins: ``[batch]`` in ``(0, 1]`` for the final (bonus) draw.
       probs: ``[batch, N, V]`` target distribution after each node.
       max_depth: at most this many drafts are accepted.
 
-    Checks: shapes, dtypes and ``max_depth`` always; when concrete, link order, coin range, token
-    ids ``< V``, finite probabilities and distinct sibling tokens.
+    Checks: shapes, dtypes and ``max_depth`` always; when concrete, the links (above; the error
+    names the request and node), coin range, token ids ``< V``, finite probabilities and distinct
+    sibling tokens.
     """
     candidates = checks.array("candidates", candidates, ndim=2, kind="int")
     probs = checks.array("probs", probs, ndim=3, kind="float")
@@ -158,7 +249,8 @@ def tree_rejection_sample(
 
 @functools.partial(jax.jit, static_argnames="max_depth")
 def _greedy_verify(candidates, next_token, next_sibling, target_argmax, *, max_depth):
-    path = reference.argmax_walk(candidates, parents_from_fcns(next_token, next_sibling), target_argmax, max_depth)
+    parents, ranks = parents_and_sibling_ranks(next_token, next_sibling)
+    path = reference.argmax_walk(candidates, parents, target_argmax, max_depth, ranks)
     return result_from_path(*path, candidates.shape[1])
 
 

@@ -9,9 +9,10 @@ strictly before it is ``< top_p``. In float32, ``logits / T`` is computed as ``l
 (``inverse_temperature``).
 
 The walk ("target-only" tree rejection sampling, both thresholds 1): from the root, at the current
-node with target row ``q`` and coin ``c``, the children are visited in sibling order (ascending node
-index) accumulating ``acc += q[token(child)]``; the first child with ``c <= acc`` is accepted and the
-walk continues from it with its own coin. When no child is accepted (or at a leaf, or after
+node with target row ``q`` and coin ``c``, the children are visited in sibling order (ascending
+``sibling_rank`` where one is given, else ascending node index) accumulating
+``acc += q[token(child)]``; the first child with ``c <= acc`` is accepted and the walk continues
+from it with its own coin. When no child is accepted (or at a leaf, or after
 ``max_depth`` acceptances) the final token is drawn from ``q`` with the rejected children's tokens
 removed, renormalised, by inverse CDF with the request's final coin. Greedy verification is the same
 walk on one-hot rows (a one-hot row accepts exactly the child holding the argmax, and the final draw
@@ -117,6 +118,24 @@ class ArgmaxRow:
         return self.argmax_B
 
 
+def _sibling_cumsum(mass_BN, is_child_BN, sibling_rank_BN):
+    """Each child's running sum of the children's ``mass`` in sibling order (node index order when
+    ``sibling_rank_BN`` is None: masses of non-children are 0, so a plain cumsum is that sum)."""
+    if sibling_rank_BN is None:
+        return jnp.cumsum(mass_BN, axis=1)
+    rows = jnp.arange(mass_BN.shape[0])[:, None]
+    slots = jnp.where(is_child_BN, sibling_rank_BN, mass_BN.shape[1])  # out of range, dropped
+    by_rank = jnp.zeros_like(mass_BN).at[rows, slots].set(mass_BN, mode="drop")
+    return jnp.take_along_axis(jnp.cumsum(by_rank, axis=1), sibling_rank_BN, axis=1)
+
+
+def _first_sibling(hit_BN, sibling_rank_BN):
+    """The node of each row's first hit in sibling order (0 when there is none)."""
+    if sibling_rank_BN is None:
+        return jnp.argmax(hit_BN, axis=1).astype(jnp.int32)
+    return jnp.argmin(jnp.where(hit_BN, sibling_rank_BN, hit_BN.shape[1]), axis=1).astype(jnp.int32)
+
+
 def walk(
     tokens_BN: Int[Array, "B N"],
     parents_BN: Int[Array, "B N"],
@@ -124,10 +143,12 @@ def walk(
     final_coins_B: Float[Array, " B"],
     row_at: Callable[[Int[Array, " B"]], ProbRow | ArgmaxRow],
     max_depth: int,
+    sibling_rank_BN: Int[Array, "B N"] | None = None,
 ) -> tuple[Int[Array, "B D"], Int[Array, "B D"]]:
     """The walk (module docstring) with the target row of node ``cur_B`` given by ``row_at(cur_B)``;
-    ``parents_BN``: each node's parent (``-1`` for the root and padding). Returns
-    ``(accept_index_BD, emitted_BD)``."""
+    ``parents_BN``: each node's parent (``-1`` for the root and padding); ``sibling_rank_BN``: each
+    node's position in its parent's list of children, in ``[0, N)`` (``None``: children in ascending
+    node index, as in the engine's trees). Returns ``(accept_index_BD, emitted_BD)``."""
     batch, n = tokens_BN.shape
     rows = jnp.arange(batch)
     node_ids = jnp.arange(n, dtype=jnp.int32)[None, :]
@@ -138,10 +159,11 @@ def walk(
     def step(t, state):
         cur, active, accept, emitted = state
         is_child = children(cur) & active[:, None]
-        acc = jnp.cumsum(jnp.where(is_child, row_at(cur).mass(tokens_BN), 0.0), axis=1)
+        mass = jnp.where(is_child, row_at(cur).mass(tokens_BN), 0.0)
+        acc = _sibling_cumsum(mass, is_child, sibling_rank_BN)
         hit = is_child & (coins_BN[rows, cur][:, None] <= acc)
         took = jnp.any(hit, axis=1)
-        child = jnp.argmax(hit, axis=1).astype(jnp.int32)
+        child = _first_sibling(hit, sibling_rank_BN)
         accept = accept.at[:, t + 1].set(jnp.where(took, child, -1))
         emitted = emitted.at[:, t].set(jnp.where(took, tokens_BN[rows, child], -1))
         return jnp.where(took, child, cur), active & took, accept, emitted
@@ -161,12 +183,13 @@ def walk(
     return accept, emitted.at[rows, num_accepted].set(final)
 
 
-def argmax_walk(tokens_BN, parents_BN, argmax_BN, max_depth: int):
+def argmax_walk(tokens_BN, parents_BN, argmax_BN, max_depth: int, sibling_rank_BN=None):
     """The walk on one-hot rows given each node's target argmax ``argmax_BN`` (coins cannot change
-    its outcome). Returns ``(accept_index_BD, emitted_BD)``."""
+    its outcome); ``sibling_rank_BN`` as in ``walk``. Returns ``(accept_index_BD, emitted_BD)``."""
     rows = jnp.arange(tokens_BN.shape[0])
     ones = jnp.ones(tokens_BN.shape, jnp.float32)
-    return walk(tokens_BN, parents_BN, ones, ones[:, 0], lambda cur: ArgmaxRow(argmax_BN[rows, cur]), max_depth)
+    return walk(tokens_BN, parents_BN, ones, ones[:, 0], lambda cur: ArgmaxRow(argmax_BN[rows, cur]), max_depth,
+                sibling_rank_BN)
 
 
 def tree_sample_reference(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins_B, temperature_B, top_k_B, top_p_B,
