@@ -31,6 +31,20 @@ import dataclasses
 import jax
 
 
+def check_fields(config, *, powers_of_two=(), positive=(), non_negative=(), warps=()) -> None:
+    """``ValueError`` naming the config and field unless each field of ``powers_of_two`` is a power of
+    two >= 16, of ``positive`` an int >= 1, of ``non_negative`` an int >= 0, and of ``warps`` a
+    Triton warp count (a power of two <= 32)."""
+    rules = [(powers_of_two, lambda v: v >= 16 and v & (v - 1) == 0, "a power of two >= 16"),
+             (positive, lambda v: v >= 1, "an int >= 1"), (non_negative, lambda v: v >= 0, "an int >= 0"),
+             (warps, lambda v: v in (1, 2, 4, 8, 16, 32), "a power of two <= 32")]
+    for names, ok, rule in rules:
+        for name in names:
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+                raise ValueError(f"{type(config).__name__}.{name} must be {rule}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeAttentionConfig:
     """Tiling of the tree-attention kernel.
@@ -56,10 +70,7 @@ class TreeAttentionConfig:
     measured: bool = False
 
     def __post_init__(self):
-        for name in ("block_m", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        check_fields(self, powers_of_two=("block_m", "block_k"))
 
     def launch_warps(self, block_m: int) -> int:
         """Warps for a block of ``block_m <= self.block_m`` rows: proportional, at least 4."""
@@ -135,15 +146,8 @@ class MatmulConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16, got {value!r}")
-        for name in ("splits", "num_stages"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"MatmulConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"MatmulConfig.num_warps must be a power of two <= 16, got {self.num_warps!r}")
+        check_fields(self, powers_of_two=("block_m", "block_n", "block_k"), positive=("splits", "num_stages"),
+                     warps=("num_warps",))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.configs import check_fields
 from pallas_kernels.tree_sampling.common import Request, candidate_block, draw_block, pow2_at_least
 from pallas_kernels.tree_sampling.fallback import searched_rows
 from pallas_kernels.tree_sampling.reference import inverse_temperature
@@ -41,18 +42,8 @@ class SamplerConfig:
     parallel_rows: int = 1024
 
     def __post_init__(self):
-        for name in ("block_v", "capacity"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"num_warps must be a power of two in [1, 32], got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
-        if not isinstance(self.stats_blocks, int) or self.stats_blocks < 1:
-            raise ValueError(f"stats_blocks must be an int >= 1, got {self.stats_blocks!r}")
-        if not isinstance(self.parallel_rows, int) or self.parallel_rows < 0:
-            raise ValueError(f"parallel_rows must be an int >= 0, got {self.parallel_rows!r}")
+        check_fields(self, powers_of_two=("block_v", "capacity"), positive=("num_stages", "stats_blocks"),
+                     non_negative=("parallel_rows",), warps=("num_warps",))
 
 
 def tree_sample(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins_B, temperature_B, top_k_B, top_p_B, *,
