@@ -385,6 +385,8 @@ def generate(
     Returns:
       ``GenerateResult`` (tokens ``[batch, max_new_tokens]``, ``-1`` padded; lengths; statistics).
     """
+    checks.prompt_batch("prompt_ids", prompt_ids)
+    checks.random_key("key", key)
     spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
     if not (np.ndim(draft_temperature) == 0 and np.isfinite(draft_temperature) and draft_temperature > 0):

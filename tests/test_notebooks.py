@@ -30,3 +30,8 @@ def test_notebook_runs(name, tmp_path):
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     for figure in NOTEBOOKS[name]:
         assert (tmp_path / figure).stat().st_size > 1000, figure
+    if name == "03_sweeps.py":  # the tau table: one row per (method, budget, cap), the cap shown
+        lines = proc.stdout.splitlines()
+        header = next(line.split() for line in lines if line.split()[:1] == ["method"])
+        labels = [tuple(line.split()[:3]) for line in lines if line.split()[:1] in (["ar"], ["chain"], ["ddtree"])]
+        assert header[:3] == ["method", "B", "cap"] and len(labels) > 3 and len(set(labels)) == len(labels)
