@@ -12,9 +12,10 @@ PART_KEYS = {"drafter_ms", "tree_ms", "verify_forward_ms", "sampling_ms", "commi
 
 def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     out = tmp_path / "bench.json"
+    # XLA attention (what auto picks on a CPU) lets --mesh-check reuse the round compiled for B=4
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
             "--mesh-check", "--profile", "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
-            "--top-k", "5", "--out", str(out)]
+            "--top-k", "5", "--attention-impl", "xla", "--out", str(out)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     # progress before every row; no HBM roofline on a CPU
