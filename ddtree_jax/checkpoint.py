@@ -120,7 +120,7 @@ def _drafter_tensors(drafter: Drafter) -> dict:
 
 def load_target(path, dtype=None) -> Target:
     """Load a Qwen3 target from an HF directory. ``dtype=None`` keeps the stored dtype."""
-    config = Qwen3Config.from_hf(_read_config(path))
+    config = _read_config(path, Qwen3Config)
     # Tied checkpoints may still carry a copy of the embedding as lm_head.weight; it is unused.
     optional = {"lm_head.weight": (config.vocab_size, config.hidden_size)} if config.tie_word_embeddings else {}
     get, stored = _open_checked(path, _target_hf_shapes(config), optional)
@@ -129,7 +129,7 @@ def load_target(path, dtype=None) -> Target:
 
 def load_drafter(path, dtype=None) -> Drafter:
     """Load a DFlash drafter from an HF directory. ``dtype=None`` keeps the stored dtype."""
-    config = DFlashConfig.from_hf(_read_config(path))
+    config = _read_config(path, DFlashConfig)
     get, stored = _open_checked(path, _drafter_hf_shapes(config), {})
     return Drafter(config=config, params=_as_jax(_drafter_params(config, get), dtype or stored))
 
@@ -149,12 +149,22 @@ def save_drafter(path, drafter: Drafter, *, max_shard_bytes=None) -> None:
 
 # ---- files -------------------------------------------------------------------------------
 
-def _read_config(path) -> dict:
+def _read_config(path, cls):
+    """``cls.from_hf`` of ``path/config.json``; every problem with the file is a ``ValueError`` naming it."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        raise ValueError(f"no config.json in {path!r}")
-    with open(config_path) as f:
-        return json.load(f)
+        raise ValueError(f"no config.json in {str(path)!r}")
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_path} is not valid JSON: {err}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(hf).__name__}")
+    try:
+        return cls.from_hf(hf)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{config_path}: {str(err).removeprefix('config.json: ')}") from None
 
 
 def _weight_files(path) -> dict[str, list[str]]:
@@ -191,7 +201,8 @@ def _open_checked(path, expected, optional):
                 tensor = f.get_slice(name)
                 want = expected.get(name, optional.get(name))
                 if tuple(tensor.get_shape()) != want:
-                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.get_shape())}, expected {want}")
+                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.get_shape())}, expected {want} by "
+                                     f"{os.path.join(path, 'config.json')} (in {os.path.join(path, file)})")
                 if tensor.get_dtype() not in _DTYPES:
                     raise ValueError(f"tensor {name!r} has dtype {tensor.get_dtype()}, "
                                      f"expected one of {sorted(_DTYPES)}")

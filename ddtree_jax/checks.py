@@ -10,6 +10,7 @@ round instead. Every failure is a ``ValueError`` that names the argument and the
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -106,3 +107,57 @@ def token_range(name: str, x, vocab: int) -> None:
         if host.size and (host.min() < 0 or host.max() >= vocab):
             bad = host[(host < 0) | (host >= vocab)].ravel()[:4].tolist()
             raise ValueError(f"{name} must hold token ids in [0, {vocab}), got {bad}")
+
+
+
+def distributions(name: str, x, *, atol: float = 1e-3) -> None:
+    """Raise when a concrete ``[..., V]`` array has a row that is not a probability distribution
+    (non-finite or outside ``[0, 1]`` entries, or a sum more than ``atol`` away from 1)."""
+    if not is_concrete(x):
+        return
+    host = np.asarray(x, np.float64)
+    finite(name, host)
+    _bad(name, host, (host >= 0) & (host <= 1), "probabilities in [0, 1]")
+    sums = host.sum(-1)
+    _bad(f"every row of {name}", sums, np.abs(sums - 1) <= atol, f"a distribution summing to 1 (+- {atol:g})")
+
+
+def prompt_batch(name: str, prompts) -> None:
+    """Raise unless ``prompts`` looks like a batch of token id sequences (``[batch, T]`` or a list of
+    lists), naming the usual mistakes: a string, or one flat sequence of ids."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError(f"{name} must be a batch of token id sequences (e.g. [tokenizer.encode(text)]), "
+                         f"got the string {prompts[:40]!r}")
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        flat = prompts.ndim == 1
+    else:
+        flat = (isinstance(prompts, Sequence) and len(prompts) > 0
+                and all(isinstance(p, numbers.Integral) for p in prompts))
+    strings = [i for i, p in enumerate(prompts) if isinstance(p, (str, bytes))] if isinstance(prompts, Sequence) else []
+    if strings:
+        raise ValueError(f"{name}[{strings[0]}] is a string, not token ids: encode it first (tokenizer.encode)")
+    if flat:
+        raise ValueError(f"{name} must be a batch of token id sequences, got one flat sequence of ids "
+                         f"{[int(p) for p in prompts[:8]]}{' ...' if len(prompts) > 8 else ''}: "
+                         "pass [ids] for a single prompt")
+
+
+def random_key(name: str, key) -> None:
+    """Raise unless ``key`` is ``None`` or one ``jax.random`` key: a typed key of shape ``()``
+    (``jax.random.key``) or a raw ``uint32[2]`` key (``jax.random.PRNGKey``)."""
+    if key is None:
+        return
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ()
+    raw = isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.shape == (2,)
+    if not (typed or raw):
+        got = f"an array of shape {tuple(key.shape)} and dtype {key.dtype}" if hasattr(key, "shape") else repr(key)
+        raise ValueError(f"{name} must be one jax.random key such as jax.random.key(0), got {got}")
+
+
+def flags(args, rules) -> None:
+    """Command-line flags: raise naming the first ``--flag`` whose value breaks its rule; ``rules`` holds
+    ``(dest, ok(value), rule)`` triples for the attributes of the parsed ``args``."""
+    for dest, ok, rule in rules:
+        value = getattr(args, dest)
+        if not ok(value):
+            raise ValueError(f"--{dest.replace('_', '-')} must be {rule}, got {value!r}")

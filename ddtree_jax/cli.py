@@ -2,33 +2,53 @@
 
 ``ddtree generate`` runs AR, DFlash chain or DDTree generation on the embedded stdlib model (or any
 HF-format target/drafter directories), streaming the text per round and printing the statistics.
+``ddtree sweep`` and ``ddtree bench`` run the experiment drivers of `ddtree_jax.experiments`.
+
+Bad input ends the command with one line on stderr naming the flag or the file, and exit code 1,
+before anything is printed on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
+from ddtree_jax import checks
 from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR
+
+SEED_LIMIT = 2**32  # jax.random.key(seed) wraps larger seeds around
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default, except where its help text already states it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with AR, chain or DDTree decoding",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description="Generate with AR, DFlash chain or DDTree decoding, streaming the text per round.",
+                       formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
-    src.add_argument("--prompt-ids", help="comma-separated prompt token ids (instead of --prompt)")
-    p.add_argument("--method", choices=["ddtree", "chain", "ar"], default="ddtree")
+    src.add_argument("--prompt", default="def fibonacci(n):", help="prompt text (encoded with the target's tokenizer)")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids, instead of --prompt (default: none)")
+    p.add_argument("--method", choices=["ddtree", "chain", "ar"], default="ddtree",
+                   help="DDTree, the DFlash chain (the drafter's argmax per slot) or plain autoregressive decoding")
     p.add_argument("--budget", type=int, default=16, help="DDTree node budget (non-root nodes)")
-    p.add_argument("--topk-cap", type=int, default=4, help="per-depth rank cap; 0 = none")
-    p.add_argument("--draft-temperature", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--topk-cap", type=int, default=4, help="DDTree per-depth rank cap; 0 = none")
+    p.add_argument("--draft-temperature", type=float, default=1.0,
+                   help="temperature of the drafter's marginals that the tree is built from (> 0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="target sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="target top-k; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="target top-p in (0, 1]; 1 = off")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--seed", type=int, default=0, help=f"seed of the sampling key, in [0, {SEED_LIMIT})")
     p.add_argument("--tp", type=int, default=1, help="devices the target is tensor-parallel over")
     p.add_argument("--dp", type=int, default=1, help="devices the batch of requests is split over")
     p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto",
@@ -37,25 +57,42 @@ def _add_generate(sub) -> None:
     p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto",
                    help="tree sampling: the fused Pallas kernel on a supported GPU without --tp/--dp (auto) "
                         "or the jnp path")
-    p.add_argument("--target", type=Path, default=TARGET_DIR, help="HF-format target directory")
-    p.add_argument("--drafter", type=Path, default=DRAFTER_DIR, help="HF-format DFlash drafter directory")
+    p.add_argument("--target", type=Path, default=TARGET_DIR,
+                   help="HF-format target directory (default: the embedded one)")
+    p.add_argument("--drafter", type=Path, default=DRAFTER_DIR,
+                   help="HF-format DFlash drafter directory, unused by --method ar (default: the embedded one)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="compute dtype; auto = float32 on CPU, bfloat16 on accelerators")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
 
 
+GENERATE_RULES = (
+    ("budget", lambda v: v >= 1, ">= 1"),
+    ("topk_cap", lambda v: v >= 0, ">= 0 (0 = no cap)"),
+    ("draft_temperature", lambda v: math.isfinite(v) and v > 0, "finite and > 0"),
+    ("temperature", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = greedy)"),
+    ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("seed", lambda v: 0 <= v < SEED_LIMIT, f"in [0, {SEED_LIMIT})"),
+    ("tp", lambda v: v >= 1, ">= 1"),
+    ("dp", lambda v: v >= 1, ">= 1"),
+    ("prompt", lambda v: v is None or v != "", "non-empty text"),
+)
+
+
 def _load(args):
+    """Target, drafter (None for AR) and the target directory's tokenizer (None if it has none)."""
     import jax
     import jax.numpy as jnp
 
     from ddtree_jax.checkpoint import load_drafter, load_target
     from ddtree_jax.tokenizer import Tokenizer
 
-    for name in ("target", "drafter"):
-        path = getattr(args, name)
+    for name, path in [("target", args.target)] + ([] if args.method == "ar" else [("drafter", args.drafter)]):
         if not (path / "config.json").is_file():
-            raise SystemExit(f"ddtree: --{name} {path} is not an HF-format model directory (no config.json)")
+            raise ValueError(f"--{name} {path} is not an HF-format model directory (no config.json)")
     if args.dtype == "auto":
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     else:
@@ -67,15 +104,18 @@ def _load(args):
     return target, drafter, tokenizer
 
 
-def _prompt_ids(args, tokenizer) -> list[int]:
+def _prompt_ids(args, tokenizer, vocab: int) -> list[int]:
     if args.prompt_ids is not None:
         try:
-            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+            ids = [int(x) for x in args.prompt_ids.split(",")]
         except ValueError:
-            msg = f"ddtree: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}"
-            raise SystemExit(msg) from None
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"--prompt-ids must hold token ids in [0, {vocab}), got {bad[:4]}")
+        return ids
     if tokenizer is None:
-        raise SystemExit("ddtree: the target directory has no tokenizer.json; pass --prompt-ids")
+        raise ValueError(f"--target {args.target} has no tokenizer.json; pass --prompt-ids")
     return tokenizer.encode(args.prompt)
 
 
@@ -91,18 +131,27 @@ def _mesh(args, target):
 
 
 def cmd_generate(args) -> int:
+    """Validate every flag and file, then stream the prompt and its continuation (or print JSON)."""
     import jax
 
     from ddtree_jax.engine import generate
 
+    checks.flags(args, GENERATE_RULES)
     target, drafter, tokenizer = _load(args)
-    prompt = _prompt_ids(args, tokenizer)
+    vocab = target.config.vocab_size
+    checks.flags(args, [("top_k", lambda v: v <= vocab, f"<= the vocabulary size {vocab} (0 = off)")])
+    prompt = _prompt_ids(args, tokenizer, vocab)
+    mesh = _mesh(args, target)
     stop = [] if args.no_stop or tokenizer is None else [tokenizer.eot_id]
-    shown = [0]
+    streaming = not args.json and tokenizer is not None
+    shown = [None]  # characters of the decoded continuation printed so far; None until the prompt is
 
     def stream(tokens, num_generated, _stats):
-        if args.json or tokenizer is None:
+        if not streaming:
             return
+        if shown[0] is None:  # generate has validated its arguments: the first round is done
+            sys.stdout.write(tokenizer.decode(prompt))
+            shown[0] = 0
         n = int(num_generated[0])
         ids = [int(t) for t in tokens[0, :n] if t >= 0 and t != tokenizer.eot_id]
         text = tokenizer.decode(ids)
@@ -110,18 +159,14 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
         shown[0] = len(text)
 
-    if not args.json and tokenizer is not None:
-        sys.stdout.write(tokenizer.decode(prompt))
-    try:
-        mesh = _mesh(args, target)
-        res = generate(target, drafter, [prompt], method=args.method, budget=args.budget,
-                       topk_cap=args.topk_cap or None, draft_temperature=args.draft_temperature,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       max_new_tokens=args.max_new_tokens, key=jax.random.key(args.seed), stop_tokens=stop,
-                       on_round=stream, mesh=mesh, attention_impl=args.attention_impl,
-                       sampler_impl=args.sampler_impl)
-    except ValueError as err:
-        raise SystemExit(f"ddtree: {err}") from None
+    if not args.json:
+        print(f"ddtree: compiling the prefill and the {args.method} round for {jax.default_backend()} before the "
+              "first token (about half a minute on a small CPU)", file=sys.stderr, flush=True)
+    res = generate(target, drafter, [prompt], method=args.method, budget=args.budget,
+                   topk_cap=args.topk_cap or None, draft_temperature=args.draft_temperature,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   max_new_tokens=args.max_new_tokens, key=jax.random.key(args.seed), stop_tokens=stop,
+                   on_round=stream, mesh=mesh, attention_impl=args.attention_impl, sampler_impl=args.sampler_impl)
     ids = [int(t) for t in res.tokens[0, : res.lengths[0]]]
     stats = res.summary()
     stats.update(method=args.method, budget=args.budget, topk_cap=args.topk_cap, temperature=args.temperature,
@@ -138,18 +183,48 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def cmd_sweep(args) -> int:
+    """``ddtree sweep``: run the grid, then draw its table and figures unless ``--no-plot``."""
+    from ddtree_jax.experiments import plot, sweep
+
+    out = sweep.run_from_args(args)
+    if args.plot:
+        for path in plot.plot_csv(out):
+            print(f"wrote {path}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    """``ddtree bench`` (`ddtree_jax.experiments.bench`)."""
+    from ddtree_jax.experiments import bench
+
+    return bench.run_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ddtree`` parser with its three subcommands."""
+    from ddtree_jax.experiments import bench, sweep
+
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    from ddtree_jax.experiments import bench, sweep
-
     sweep.add_arguments(sub.add_parser("sweep", help="sweep AR, chain and DDTree over a grid of settings to CSV",
-                                       description=sweep.__doc__.splitlines()[0]))
+                                       description=sweep.__doc__.splitlines()[0], formatter_class=HelpFormatter))
     bench.add_arguments(sub.add_parser("bench", help="time a DDTree round's parts against decoding and the roofline",
-                                       description=bench.__doc__.splitlines()[0]))
-    args = parser.parse_args(argv)
-    return {"generate": cmd_generate, "sweep": sweep.run_from_args, "bench": bench.run_from_args}[args.command](args)
+                                       description=bench.__doc__.splitlines()[0], formatter_class=HelpFormatter))
+    return parser
+
+
+COMMANDS = {"generate": cmd_generate, "sweep": cmd_sweep, "bench": cmd_bench}
+
+
+def main(argv=None) -> int:
+    """Run ``ddtree ARGS``; a ``ValueError`` (bad flag, file or model) ends it with one line and exit code 1."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ValueError as err:
+        raise SystemExit(f"ddtree {args.command}: {err}") from None
 
 
 if __name__ == "__main__":

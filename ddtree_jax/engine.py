@@ -438,6 +438,8 @@ def generate(
     Returns:
       ``GenerateResult`` (tokens ``[batch, max_new_tokens]``, ``-1`` padded; lengths; statistics).
     """
+    checks.prompt_batch("prompt_ids", prompt_ids)
+    checks.random_key("key", key)
     spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl, matmul_impl)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
     chunk_rounds = checks.positive_int("chunk_rounds", chunk_rounds, maximum=4096)

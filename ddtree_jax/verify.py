@@ -349,13 +349,28 @@ def path_probs(tree: DraftTree, edge_probs_BN: Float[Array, "B N"]) -> Float[Arr
 
 
 @jax.jit
-def expected_acceptance(tree: DraftTree, probs: Float[Array, "B N V"]) -> Float[Array, " B"]:
-    """Exact expected number of accepted drafts: the sum over non-root nodes of their path probability.
-
-    ``probs[b, k]`` is the target distribution after node ``k``. Under the walk above, node ``j`` is
-    accepted with probability equal to the product of ``probs[parent(e), token(e)]`` over the edges
-    ``e`` of its path, because siblings hold distinct tokens.
-    """
+def _expected_acceptance(tree: DraftTree, probs: Float[Array, "B N V"]) -> Float[Array, " B"]:
+    """`expected_acceptance` without its checks."""
     rows = jnp.arange(tree.tokens.shape[0])[:, None]
     edge = probs[rows, jnp.maximum(tree.parents, 0), tree.tokens]
     return jnp.sum(path_probs(tree, edge)[:, 1:], axis=1)
+
+
+def expected_acceptance(tree: DraftTree, probs: Float[Array, "B N V"]) -> Float[Array, " B"]:
+    """Exact expected number of accepted drafts: the sum over non-root nodes of their path probability.
+
+    ``probs[b, k]`` is the target distribution after node ``k`` (``target_probs`` of the verify
+    logits). Under the walk above, node ``j`` is accepted with probability equal to the product of
+    ``probs[parent(e), token(e)]`` over the edges ``e`` of its path, because siblings hold distinct
+    tokens.
+
+    Checks: ``probs`` is float ``[batch, N, V]`` matching the tree; when concrete, the tree's tokens
+    lie in ``[0, V)`` and every row of ``probs`` is a distribution (finite, in ``[0, 1]``, summing to 1).
+    """
+    if not isinstance(tree, DraftTree):
+        raise ValueError(f"tree must be a DraftTree, got {type(tree).__name__}")
+    probs = checks.array("probs", probs, ndim=3, kind="float")
+    checks.same_leading("probs", probs, tree.tokens.shape)
+    checks.token_range("tree.tokens", tree.tokens, probs.shape[2])
+    checks.distributions("probs", probs)
+    return _expected_acceptance(tree, probs)

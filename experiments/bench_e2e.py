@@ -3,7 +3,7 @@
 The same benchmark as ``ddtree bench`` (see ``ddtree_jax/experiments/bench.py`` for what it measures):
 
     python experiments/bench_e2e.py --embedded --out experiments/results/bench_e2e.json
-    python experiments/bench_e2e.py --shapes tiny --contexts 64 --budgets 4,8 --repeats 2   # CPU check
+    python experiments/bench_e2e.py --shapes tiny                     # a quick check on a CPU
 """
 
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_jax.experiments.bench import main  # noqa: E402
+from ddtree_jax.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(["bench", *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """Parameter sweep of AR, DFlash chain and DDTree on held-out prompts (the same as ``ddtree sweep``).
 
-The grid, the CSV columns and resuming are described in ``ddtree_jax/experiments/sweep.py``; the findings in
-``experiments/README.md``.
+The grid, the CSV columns and resuming are described in ``ddtree_jax/experiments/sweep.py``; the
+findings in ``experiments/README.md``.
 
     python experiments/sweep.py --quick        # small grid, a few minutes on a CPU
     python experiments/sweep.py                # the full grid (an accelerator)
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_jax.experiments.sweep import main  # noqa: E402
+from ddtree_jax.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(["sweep", *sys.argv[1:]]))

@@ -12,7 +12,7 @@
 #
 # Loads the committed sweep results (`experiments/results/sweep.csv`, the full grid, when present;
 # otherwise `sweep_quick.csv`, the quick grid run on a CPU), pools every cell over its prompts with
-# 95% bootstrap intervals, and draws the figures of `experiments/plot.py`. Set `DDTREE_SWEEP_CSV`
+# 95% bootstrap intervals, and draws the figures of `ddtree_jax.experiments.plot`. Set `DDTREE_SWEEP_CSV`
 # to read another sweep. Figures go to `$DDTREE_NOTEBOOK_OUT` (default `notebooks/figures/`).
 
 # %%
@@ -29,8 +29,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ddtree_jax.experiments import plot  # noqa: E402
 from ddtree_jax.experiments.sweep import read_rows  # noqa: E402
-from experiments import plot  # noqa: E402
 
 OUT = Path(os.environ.get("DDTREE_NOTEBOOK_OUT", ROOT / "notebooks" / "figures"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -46,16 +46,18 @@ print(f"{CSV.name}: {len(rows)} rows, {len(summary)} cells, device {rows[0]['dev
 # %% [markdown]
 # ## tau per method and budget
 #
-# No truncation, draft temperature 1. `tau` counts the tokens a round emits (accepted drafts + the
-# bonus token); `1 + expected` is its exact expectation given the drafted trees.
+# No truncation, draft temperature 1; `cap` is DDTree's per-depth rank cap (- = none). `tau` counts
+# the tokens a round emits (accepted drafts + the bonus token); `1 + expected` is its exact
+# expectation given the drafted trees.
 
 # %%
 base = plot.select(summary, **plot.BASE)
 temps = sorted({c["temperature"] for c in base})
-print(f"{'method':>8} {'B':>4} " + " ".join(f"{'T=' + format(t, 'g'):>22}" for t in temps))
+print(f"{'method':>8} {'B':>4} {'cap':>4} " + " ".join(f"{'T=' + format(t, 'g'):>22}" for t in temps))
 for key in sorted({(c["method"], c["budget"], c["topk_cap"]) for c in base}, key=lambda k: (k[0] != "ar", k)):
     cells = {c["temperature"]: c for c in plot.select(base, method=key[0], budget=key[1], topk_cap=key[2])}
-    print(f"{key[0]:>8} {key[1]:>4} " + " ".join(
+    cap = key[2] if key[0] == "ddtree" and key[2] else "-"
+    print(f"{key[0]:>8} {key[1]:>4} {cap:>4} " + " ".join(
         f"{cells[t]['tau']:6.2f} [{cells[t]['tau_lo']:.2f}, {cells[t]['tau_hi']:.2f}]    " if t in cells
         else " " * 22 for t in temps))
 
@@ -111,7 +113,7 @@ for row in plot.tempering(rows):
           f"{row['tau_tempered']:.2f}, difference {row['difference']:+.3f} [{row['lo']:+.3f}, {row['hi']:+.3f}]")
 
 # %% [markdown]
-# ## The figures of `experiments/plot.py`
+# ## The figures of `ddtree_jax.experiments.plot`
 
 # %%
 for name, make in plot.FIGURES.items():

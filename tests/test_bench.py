@@ -5,22 +5,30 @@ import json
 import pytest
 
 from ddtree_jax import cli
+from ddtree_jax.experiments import bench
 
 PART_KEYS = {"drafter_ms", "tree_ms", "verify_forward_ms", "sampling_ms", "commit_ms"}
 
 
-def test_bench_tiny_shapes_and_embedded(tmp_path):
+def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     out = tmp_path / "bench.json"
+    # XLA attention (what auto picks on a CPU) lets --mesh-check reuse the round compiled for B=4
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
             "--mesh-check", "--profile", "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
-            "--top-k", "5", "--out", str(out)]
+            "--top-k", "5", "--attention-impl", "xla", "--out", str(out)]
     assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    # progress before every row; no HBM roofline on a CPU
+    assert "[1/2] B=4: compiling" in printed and "[2/2] B=8: compiling" in printed
+    assert "roofline n/a on a CPU" in printed and "x roofline" not in printed and "floor" not in printed
     result = json.loads(out.read_text())
     rows = result["shapes"]
     assert [(r["batch"], r["context"], r["budget"]) for r in rows] == [(2, 16, 4), (2, 16, 8)]
     for row in rows:
         assert PART_KEYS <= set(row) and all(row[k] > 0 for k in PART_KEYS | {"round_ms", "decode_ms"})
         assert row["round_over_decode"] == pytest.approx(row["round_ms"] / row["decode_ms"])
+        assert row["parts_sum_ms"] == pytest.approx(sum(row[k] for k in PART_KEYS))
+        assert row["decode_roofline_ms"] is None and row["round_floor_ms"] is None
         # first calls compile: far slower than the warm median
         assert row["round_first_call_s"] * 1e3 > 2 * row["round_ms"]
         assert row["decode_first_call_s"] * 1e3 > 2 * row["decode_ms"]
@@ -35,14 +43,29 @@ def test_bench_tiny_shapes_and_embedded(tmp_path):
     assert result["meta"]["settings"]["budgets"] == [4, 8] and result["meta"]["settings"]["top_k"] == 5
 
 
+def test_tiny_shapes_make_every_knob_tiny(tmp_path):
+    """``--shapes tiny`` alone is a run of seconds on a CPU: every knob takes the tiny preset, a flag given
+    still wins."""
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--shapes", "tiny", "--skip-shapes", "--repeats", "2", "--out", str(out)]) == 0
+    settings = json.loads(out.read_text())["meta"]["settings"]
+    assert {k: settings[k] for k in bench.TINY} == dict(bench.TINY, repeats=2)
+    assert bench.TINY["batches"] == [1] and max(bench.TINY["contexts"]) <= 64 and max(bench.TINY["budgets"]) <= 8
+    assert bench.TINY["repeats"] <= 3 and bench.TINY["embedded_batches"] == [1] and bench.TINY["new_tokens"] <= 16
+    assert cli.main(["bench", "--skip-shapes", "--out", str(out)]) == 0
+    settings = json.loads(out.read_text())["meta"]["settings"]
+    assert {k: settings[k] for k in bench.FULL} == bench.FULL
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--repeats", "0", "--repeats must be >= 1"), ("--top-p", "0", "--top-p must be in"),
     ("--temperature", "-1", "--temperature must be >= 0"), ("--topk-cap", "-2", "--topk-cap must be >= 0"),
     ("--top-k", "-1", "--top-k must be >= 0"),
 ])
 def test_bench_rejects_bad_flags(tmp_path, flag, value, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SystemExit, match=message) as exit_info:
         cli.main(["bench", "--shapes", "tiny", flag, value, "--out", str(tmp_path / "b.json")])
+    assert exit_info.value.code.startswith("ddtree bench: --")
 
 
 def test_bench_rejects_bad_lists():

@@ -116,6 +116,28 @@ def test_bad_drafter_checkpoints_and_directories(tmp_path):
         load_target(tmp_path / "t")
 
 
+@pytest.mark.parametrize("text,message", [
+    ('{"vocab_size": 50,', "config.json is not valid JSON"),
+    ("[1, 2]", "config.json must hold a JSON object, got list"),
+    ('{"vocab_size": 50}', r"config.json: missing fields \['head_dim', 'hidden_size'"),
+])
+def test_bad_config_files_are_named(tmp_path, text, message):
+    save_target(tmp_path, tiny_target())
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message) as error:
+        load_target(tmp_path)
+    assert str(error.value).startswith(str(tmp_path / "config.json"))
+
+
+def test_a_config_that_disagrees_with_the_weights_names_both_files(tmp_path):
+    save_drafter(tmp_path, tiny_drafter())
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 20}))
+    with pytest.raises(ValueError, match="expected .* by " + str(tmp_path / "config.json")
+                       + r" \(in " + str(tmp_path / "model.safetensors") + r"\)"):
+        load_drafter(tmp_path)
+
+
 def test_tied_checkpoint_with_a_stored_lm_head_loads_without_it(tmp_path):
     target = tiny_target(tied=True)
     save_target(tmp_path, target)

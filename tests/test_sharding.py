@@ -10,8 +10,10 @@ inside ``shard_map`` on models "c" and "d", "a" and "b" with head_dim 16, agains
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -37,28 +39,46 @@ def parse(case):
     return model, int(tp), int(dp)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``(unsharded reference per model, sharded results per case)``, see `sharded_check.run_case`."""
-    out = tmp_path_factory.mktemp("sharded")
+def start_background():
+    """The two worker processes of `sharded_check.py` (8 CPU devices each, the cases of `WORKERS`), started
+    now and writing ``{i}.json`` and ``{i}.log`` into a fresh directory: ``(processes, directory)``.
+
+    conftest.py starts them as soon as the tests are collected (see its ``background`` fixture), so that
+    their minutes of compilation overlap the modules that run before this one.
+    """
+    out = Path(tempfile.mkdtemp(prefix="sharded_check_"))
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
     # the workers import the same checkout as this process, not whichever one is installed
     path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     script = str(Path(__file__).with_name("sharded_check.py"))
-    procs = [subprocess.Popen([sys.executable, script, str(out / f"{i}.json"), *cases], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i, cases in enumerate(WORKERS)]
-    try:
-        reference = {model: sharded_check.run_case(model, None) for model in sharded_check.MODELS}
-        results = {}
-        for i, proc in enumerate(procs):
-            log, _ = proc.communicate(timeout=900)
-            assert proc.returncode == 0, log.decode()[-4000:]
-            results.update(json.loads((out / f"{i}.json").read_text()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    procs = []
+    for i, cases in enumerate(WORKERS):
+        with open(out / f"{i}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, script, str(out / f"{i}.json"), *cases], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    return procs, out
+
+
+def stop_background(started) -> None:
+    procs, out = started
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def runs(background):
+    """``(unsharded reference per model, sharded results per case)``, see `sharded_check.run_case`."""
+    procs, out = background
+    reference = {model: sharded_check.run_case(model, None) for model in sharded_check.MODELS}
+    results = {}
+    for i, proc in enumerate(procs):
+        proc.wait(timeout=900)
+        assert proc.returncode == 0, (out / f"{i}.log").read_text()[-4000:]
+        results.update(json.loads((out / f"{i}.json").read_text()))
     return reference, results
 
 

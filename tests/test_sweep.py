@@ -2,18 +2,18 @@
 
 import dataclasses
 import json
-import sys
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ddtree_jax import cli
+from ddtree_jax.experiments import plot, sweep
 from ddtree_jax.experiments.stats import paired_bootstrap_diff
 from ddtree_jax.experiments.sweep import COLUMNS, Grid, Settings, cell_of, grid_cells, read_rows, run_sweep
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments import plot  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 GRID = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 16), topk_caps=(0, 4, 16), temperatures=(0.0, 1.0),
             top_ps=(1.0, 0.9), top_ks=(0, 5), draft_temperatures=(1.0, 2.0))
@@ -58,8 +58,19 @@ def tiny(tmp_path, temperatures):
     return grid, settings, tmp_path / "sweep.csv"
 
 
-def test_tiny_sweep_resumes_and_plots(tmp_path):
-    grid, settings, out = tiny(tmp_path, (0.0,))
+def test_default_outputs_are_fresh_paths_of_the_working_directory():
+    for preset in (sweep.QUICK, sweep.FULL):
+        out = Path(preset["out"])
+        assert not out.is_absolute() and out.parts[0] == "ddtree-sweep"
+        tracked = subprocess.run(["git", "ls-files", "ddtree-sweep"], cwd=ROOT, capture_output=True, text=True)
+        assert tracked.returncode == 0 and tracked.stdout == ""
+    assert "ddtree-sweep/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_tiny_sweep_resumes_and_plots(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    grid, settings, _ = tiny(tmp_path, (0.0,))
+    out = tmp_path / "ddtree-sweep" / "sweep.csv"  # where the CLI writes by default
     rows = run_sweep(grid, settings, out)
     assert read_rows(out) == rows and len(rows) == 2 * 2
     assert list(rows[0]) == list(COLUMNS)
@@ -70,11 +81,14 @@ def test_tiny_sweep_resumes_and_plots(tmp_path):
         assert row["expected_accepted"] == pytest.approx(row["tau"] - 1, abs=1e-6)
     assert {r["tau"] for r in rows if r["method"] == "ar"} == {1.0}
 
-    # Resume through the CLI with a larger grid: only the new temperature runs.
+    # Resume through the CLI (its default output) with a larger grid: only the new temperature runs, and
+    # the run ends with the table and figures next to the CSV.
     argv = ["sweep", "--methods", "ar,ddtree", "--budgets", "4", "--topk-caps", "0", "--temperatures", "0,1",
             "--top-ps", "1", "--top-ks", "0", "--draft-temperatures", "1", "--prompts", "2", "--prompt-tokens", "16",
-            "--new-tokens", "6", "--batch", "2", "--dtype", "float32", "--out", str(out)]
+            "--new-tokens", "6", "--batch", "2", "--dtype", "float32"]
     assert cli.main(argv) == 0
+    assert (out.parent / "sweep_cells.csv").is_file() and (out.parent / "sweep_tempering.csv").is_file()
+    assert all((out.parent / f"sweep_{name}.png").stat().st_size > 1000 for name in plot.FIGURES)
     runs = json.loads(out.with_suffix(".json").read_text())["runs"]
     assert (runs[-1]["cells_skipped"], runs[-1]["cells_run"]) == (2, 2)
     both = read_rows(out)
@@ -86,7 +100,7 @@ def test_tiny_sweep_resumes_and_plots(tmp_path):
     dropped = next(i for i, line in enumerate(text) if line.startswith("ddtree,4,0,1.0,"))
     lost = both[dropped - 1]
     out.write_text("".join(text[:dropped] + text[dropped + 1:]) + text[dropped][:25])
-    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--no-plot"]) == 0
     assert (json.loads(out.with_suffix(".json").read_text())["runs"][-1]["cells_run"]) == 1
     final = read_rows(out)
     kept = [r for r in both if cell_of(r) != cell_of(lost)]
@@ -137,3 +151,10 @@ def test_tempering_table_pairs_prompts():
     row = table[0]
     assert (row["budget"], row["temperature"], row["prompts"]) == (8, 0.6, 3)
     assert row["difference"] == pytest.approx(2.5 - 2.0) and row["lo"] <= row["difference"] <= row["hi"]
+
+
+@pytest.mark.parametrize("field,value", [("seed", -1), ("seed", 2**32), ("prompt_seed", -3)])
+def test_bad_seeds_are_named(tmp_path, field, value):
+    _, settings, _ = tiny(tmp_path, (0.0,))
+    with pytest.raises(ValueError, match=f"{field} must be in \\[0, 2\\*\\*32\\), got {value}"):
+        dataclasses.replace(settings, **{field: value})

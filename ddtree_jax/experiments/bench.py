@@ -16,8 +16,21 @@ Every timing is the median of ``--repeats`` warm calls ending in ``block_until_r
 call of the decode step and of each round (compilation included) is recorded apart. The JSON is
 rewritten after every row, so an interrupted run keeps what it measured.
 
-    ddtree bench --out bench_e2e.json                                   # the full benchmark (GPU)
-    ddtree bench --shapes tiny --contexts 64 --budgets 4,8 --repeats 2  # a quick CPU check
+Each part is timed as a program of its own, so the parts need not add up to the round: inside the
+round XLA fuses across part boundaries and updates the donated caches in place, while a part alone
+returns fresh arrays (the verify forward and the commit a whole new cache). On a CPU, where large
+programs are scheduled differently and the machine's other load shifts single timings, a part can
+even take longer than the whole round; read the parts as each step's cost in isolation.
+
+The HBM roofline (the weights each step must stream once, at ``--hbm-tbps``) is reported on
+accelerators only; on a CPU it is n/a.
+
+``--shapes`` also sets the unset knobs: the model shapes run the full grid (``FULL``), ``--shapes
+tiny`` a small one (``TINY``: batch 1, one short context, one small budget, a few repeats) that
+ends in seconds on a CPU.
+
+    ddtree bench --out bench_e2e.json    # the full benchmark (GPU)
+    ddtree bench --shapes tiny           # a quick check anywhere
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import engine, kernels, sharding
+from ddtree_jax import checks, engine, kernels, sharding
 from ddtree_jax.experiments import profiling
 from ddtree_jax.models import (
     DFlashConfig, KVCache, Qwen3Config, commit, drafter_forward, init_cache, init_drafter, init_target,
@@ -56,6 +69,13 @@ SHAPES = {
                     num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=8192),
         drafter=dict(num_hidden_layers=1, block_size=8, target_layer_ids=(0, 3))),
 }
+
+
+# The knobs ``--shapes`` sets unless they are given (part 1's batches, contexts, budgets and repeats;
+# part 2's batches and new tokens).
+FULL = dict(batches=[1, 8], contexts=[1024, 8192], budgets=[16, 64, 256, 512], repeats=20, embedded_batches=[1, 8],
+            new_tokens=128)
+TINY = dict(batches=[1], contexts=[64], budgets=[8], repeats=3, embedded_batches=[1], new_tokens=16)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -224,9 +244,14 @@ def rooflines(target, drafter, hbm_bytes_per_s: float) -> tuple[float, float]:
 def bench_shapes(args, emit) -> None:
     """Part 1: calls ``emit(row)`` per (batch, context, budget)."""
     target, drafter = make_models(args.shapes)
-    decode_floor, round_floor = rooflines(target, drafter, args.hbm_tbps * 1e12)
-    print(f"decode roofline {decode_floor:.2f} ms, DDTree round floor {round_floor:.2f} ms", flush=True)
+    if jax.default_backend() == "cpu":  # no HBM: a bandwidth floor means nothing there
+        decode_floor = round_floor = None
+        print("roofline n/a on a CPU", flush=True)
+    else:
+        decode_floor, round_floor = rooflines(target, drafter, args.hbm_tbps * 1e12)
+        print(f"decode roofline {decode_floor:.2f} ms, DDTree round floor {round_floor:.2f} ms", flush=True)
     impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl)
+    rows, total = 0, len(args.batches) * len(args.contexts) * len(args.budgets)
     for batch in args.batches:
         sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
         for context in args.contexts:
@@ -234,9 +259,12 @@ def bench_shapes(args, emit) -> None:
             decode = round_runner(target, drafter, ar, make_state(target, drafter, ar, batch, context), sampling)
             decode_first_s = first_call_s(decode)
             decode_ms = median_ms(decode, args.repeats)
+            roofline = f"{decode_ms / decode_floor:.2f}x roofline; " if decode_floor else ""
             print(f"batch {batch} context {context}: decode step {decode_ms:.2f} ms "
-                  f"({decode_ms / decode_floor:.2f}x roofline; first call {decode_first_s:.1f} s)", flush=True)
+                  f"({roofline}first call {decode_first_s:.1f} s)", flush=True)
             for budget in args.budgets:
+                rows += 1
+                print(f"  [{rows}/{total}] B={budget}: compiling and timing the parts and the round ...", flush=True)
                 spec = engine.make_spec(target, drafter, "ddtree", budget, args.topk_cap or None, **impls)
                 state = make_state(target, drafter, spec, batch, context)
                 parts = time_parts(target, drafter, spec, state, sampling, args.repeats)
@@ -248,6 +276,7 @@ def bench_shapes(args, emit) -> None:
                            decode_roofline_ms=decode_floor, round_floor_ms=round_floor, **parts,
                            decode_first_call_s=decode_first_s, round_first_call_s=round_first_s)
                 row["round_over_decode"] = round_ms / decode_ms  # = the break-even tau
+                row["parts_sum_ms"] = sum(parts.values())  # each part timed alone: see the module docstring
                 row["core_share"] = (parts["tree_ms"] + parts["sampling_ms"]) / round_ms
                 if args.profile and budget == args.budgets[0]:
                     for name, runner in (("decode", decode), ("round", run)):
@@ -270,6 +299,7 @@ def bench_shapes(args, emit) -> None:
                                                        args.repeats, mesh=mesh)
                 print(f"  B={budget:4d}: round {round_ms:7.2f} ms = {row['round_over_decode']:.2f} decode steps | "
                       + " ".join(f"{k[:-3]} {v:.2f}" for k, v in parts.items())
+                      + f" (sum {row['parts_sum_ms']:.2f}, each alone)"
                       + f" | build+sampling {100 * row['core_share']:.1f}% of the round"
                       + f" | first call {round_first_s:.1f} s"
                       + (f" | mesh(1,1) {row['round_mesh1_ms']:.2f} vs {row['round_xla_ms']:.2f} ms"
@@ -303,9 +333,11 @@ def bench_generate(args, emit) -> None:
             prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, context)).tolist()
             prefill_ms = _prefill_ms(target, drafter, prompts, args.repeats, impls)
             flops = prefill_flops(target, batch, context)
-            print(f"batch {batch} context {context}: prefill {prefill_ms:.2f} ms = {flops / prefill_ms / 1e9:.0f} "
-                  f"TFLOP/s ({prefill_ms / (1e3 * flops / (args.peak_tflops * 1e12)):.2f}x its "
-                  f"{args.peak_tflops:.0f} TFLOP/s roofline)", flush=True)
+            floor = ("" if jax.default_backend() == "cpu" else
+                     f" ({prefill_ms / (1e3 * flops / (args.peak_tflops * 1e12)):.2f}x its {args.peak_tflops:.0f} "
+                     f"TFLOP/s roofline)")
+            print(f"batch {batch} context {context}: prefill {prefill_ms:.2f} ms = {flops / prefill_ms / 1e9:.1f} "
+                  f"TFLOP/s{floor}", flush=True)
             for method, budget in methods:
                 run = functools.partial(engine.generate, target, drafter, prompts, method=method, budget=budget,
                                         topk_cap=args.topk_cap or None, temperature=args.temperature,
@@ -376,18 +408,25 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (shared by ``ddtree bench`` and ``experiments/bench_e2e.py``)."""
-    p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b", help="model shapes of part 1")
+    """The benchmark's flags (``ddtree bench``; ``experiments/bench_e2e.py`` runs the same command)."""
+    def preset(name: str) -> str:
+        full, tiny = (",".join(map(str, v)) if isinstance(v, list) else v for v in (FULL[name], TINY[name]))
+        return f"(default: {full}; with --shapes tiny {tiny})"
+
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b",
+                   help="model shapes of part 1; tiny also makes the knobs below tiny")
     p.add_argument("--skip-shapes", action="store_true", help="skip part 1")
-    p.add_argument("--batches", type=_ints, default=[1, 8], help="part 1 batch sizes")
-    p.add_argument("--contexts", type=_ints, default=[1024, 8192], help="part 1 committed context lengths")
-    p.add_argument("--budgets", type=_ints, default=[16, 64, 256, 512], help="part 1 DDTree node budgets")
+    p.add_argument("--batches", type=_ints, help="part 1 batch sizes " + preset("batches"))
+    p.add_argument("--contexts", type=_ints, help="part 1 committed context lengths " + preset("contexts"))
+    p.add_argument("--budgets", type=_ints, help="part 1 DDTree node budgets " + preset("budgets"))
     p.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the tree (0 = none)")
     p.add_argument("--temperature", type=float, default=1.0, help="target temperature of part 1 (0 = greedy)")
     p.add_argument("--top-k", type=int, default=0, help="target top-k of part 1 (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="target top-p of part 1")
-    p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
-    p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto")
+    p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto",
+                   help="tree-verify attention: the Pallas kernel on a supported GPU (auto) or XLA")
+    p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto",
+                   help="tree sampling: the fused Pallas kernel on a supported GPU (auto) or the jnp path")
     p.add_argument("--matmul-impl", choices=["auto", "xla", "pallas"], default="auto",
                    help="the projections: XLA (auto) or the Pallas skinny matmul")
     p.add_argument("--generate", action="store_true",
@@ -397,22 +436,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time the first budget's round under a one-device mesh vs without (XLA attention)")
     p.add_argument("--profile", action="store_true",
                    help="also trace the decode step and the first budget's round and sum their device ops")
-    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the roofline, TB/s")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the roofline (accelerators), TB/s")
+    p.add_argument("--repeats", type=int, help="warm calls per timing, their median reported " + preset("repeats"))
     p.add_argument("--embedded", action="store_true", help="also run part 2 on the embedded pair")
-    p.add_argument("--embedded-batches", type=_ints, default=[1, 8])
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens per request in part 2")
+    p.add_argument("--embedded-batches", type=_ints, help="part 2 batch sizes " + preset("embedded_batches"))
+    p.add_argument("--new-tokens", type=int, help="tokens per request in part 2 " + preset("new_tokens"))
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="JSON output")
 
 
 def run_from_args(args) -> int:
-    """Run the parts asked for; the JSON at ``args.out`` is rewritten after every row."""
-    for name, ok, rule in (("temperature", args.temperature >= 0, ">= 0"), ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
-                           ("top_k", args.top_k >= 0, ">= 0"), ("topk_cap", args.topk_cap >= 0, ">= 0"),
-                           ("repeats", args.repeats >= 1, ">= 1"),
-                           ("new_tokens", args.new_tokens >= 1, ">= 1"), ("hbm_tbps", args.hbm_tbps > 0, "> 0")):
-        if not ok:
-            raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
+    """Fill the unset knobs from ``--shapes`` (`FULL` or `TINY`), check every flag, then run the parts
+    asked for; the JSON at ``args.out`` is rewritten after every row."""
+    for name, value in (TINY if args.shapes == "tiny" else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    checks.flags(args, [("temperature", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+                        ("top_k", lambda v: v >= 0, ">= 0"), ("topk_cap", lambda v: v >= 0, ">= 0"),
+                        ("repeats", lambda v: v >= 1, ">= 1"), ("new_tokens", lambda v: v >= 1, ">= 1"),
+                        ("hbm_tbps", lambda v: v > 0, "> 0")])
     device = jax.devices()[0].device_kind
     print(f"device {device}, jax {jax.__version__}", flush=True)
     result = dict(meta=dict(device=device, backend=jax.default_backend(), jax=jax.__version__,
@@ -437,9 +478,3 @@ def run_from_args(args) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run_from_args(p.parse_args(argv))

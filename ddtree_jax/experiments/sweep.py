@@ -11,9 +11,11 @@ Each cell generates ``new_tokens`` tokens for every held-out prompt (no stop tok
 with request id ``i`` and ``jax.random.key(seed)``, so all cells see the same prompts and the same
 coin streams. The output CSV has one row per cell and prompt; a cell's rows are appended once it
 is finished, and a rerun skips finished cells (resumable). ``<out>.json`` records every run's
-command, date, device and settings.
+command, date, device and settings. The default output is ``ddtree-sweep/sweep.csv`` (``--quick``:
+``ddtree-sweep/sweep_quick.csv``) under the working directory, and the run ends with the table and
+figures of `ddtree_jax.experiments.plot` next to the CSV (``--no-plot`` skips them).
 
-    python experiments/sweep.py --quick          # or: ddtree sweep --quick
+    ddtree sweep --quick          # or: python experiments/sweep.py --quick
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ class Settings:
     def __post_init__(self):
         for name in ("prompts", "prompt_tokens", "new_tokens", "batch"):
             _check_values(name, (getattr(self, name),), lambda v: v >= 1, ">= 1")
+        for name in ("prompt_seed", "seed"):
+            _check_values(name, (getattr(self, name),), lambda v: 0 <= v < 2**32, "in [0, 2**32)")
 
 
 EMBEDDED = "embedded"
@@ -119,11 +123,11 @@ COLUMNS = {
 GRID_FLAGS = ("methods", "budgets", "topk_caps", "temperatures", "top_ps", "top_ks", "draft_temperatures")
 QUICK = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 16, 64), topk_caps=(0,), temperatures=(0.0, 0.5, 1.0),
              top_ps=(1.0, 0.8), top_ks=(0, 8), draft_temperatures=(0.5, 1.0, 2.0), prompts=6, prompt_tokens=48,
-             new_tokens=24, out="experiments/results/sweep_quick.csv")
+             new_tokens=24, out="ddtree-sweep/sweep_quick.csv")
 FULL = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 8, 16, 32, 64, 128, 256), topk_caps=(0, 8),
             temperatures=(0.0, 0.6, 1.0), top_ps=(1.0, 0.95, 0.8), top_ks=(0, 20, 5),
             draft_temperatures=(0.4, 0.6, 1.0, 1.5), prompts=64, prompt_tokens=64, new_tokens=128,
-            out="experiments/results/sweep.csv")
+            out="ddtree-sweep/sweep.csv")
 
 
 def _check_values(name, values, ok, rule) -> None:
@@ -310,13 +314,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              ("--topk-caps", int, "DDTree per-depth rank caps (0 = none)"),
              ("--temperatures", float, "target temperatures (0 = greedy)"), ("--top-ps", float, "top-p values"),
              ("--top-ks", int, "top-k values (0 = off)"), ("--draft-temperatures", float, "draft temperatures")]
+    def preset(flag: str) -> str:
+        name = flag[2:].replace("-", "_")
+        full, quick = (",".join(map(str, v)) if isinstance(v, tuple) else v for v in (FULL[name], QUICK[name]))
+        return f"(default: {full}; with --quick {quick})"
+
     for flag, kind, what in lists:
-        parser.add_argument(flag, type=_list_of(kind), help=f"comma-separated {what} (default: the preset's)")
+        parser.add_argument(flag, type=_list_of(kind), help=f"comma-separated {what} {preset(flag)}")
     parser.add_argument("--cross-truncation", action="store_true",
                         help="sweep the product of top-p and top-k (default: vary one with the other off)")
     for flag, what in [("--prompts", "held-out prompts"), ("--prompt-tokens", "tokens per prompt"),
                        ("--new-tokens", "tokens generated per prompt")]:
-        parser.add_argument(flag, type=int, help=what)
+        parser.add_argument(flag, type=int, help=f"{what} {preset(flag)}")
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the held-out prompt choice")
     parser.add_argument("--seed", type=int, default=0, help="sampling key seed")
     parser.add_argument("--batch", type=int, default=64, help="prompts per generate call")
@@ -327,36 +336,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the target's, else the packaged one)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto = float32 on CPU, bfloat16 on accelerators")
-    parser.add_argument("--out", type=Path, help="output CSV")
+    parser.add_argument("--out", type=Path, help="output CSV (default: ddtree-sweep/sweep.csv, with --quick "
+                        "ddtree-sweep/sweep_quick.csv, under the working directory)")
+    parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
+                        help="draw the per-cell table and the figures next to the CSV when the run ends")
     parser.add_argument("--quick", action="store_true",
                         help="the small preset grid (a few minutes on a CPU) instead of the full one")
     parser.add_argument("--restart", action="store_true", help="discard an existing output CSV instead of resuming")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """Fill unset flags from the quick or full preset, then ``run_sweep``."""
+def run_from_args(args: argparse.Namespace) -> Path:
+    """Fill unset flags from the quick or full preset, then ``run_sweep``; returns the CSV written."""
     preset = QUICK if args.quick else FULL
     get = lambda name: preset[name] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    try:
-        grid = Grid(**{name: get(name) for name in GRID_FLAGS}, cross_truncation=args.cross_truncation)
-        settings = Settings(target=_model_name(args.target, TARGET_DIR),
-                            drafter=_model_name(args.drafter, DRAFTER_DIR), dtype=dtype, prompts=get("prompts"),
-                            prompt_tokens=get("prompt_tokens"), new_tokens=get("new_tokens"),
-                            prompt_seed=args.prompt_seed, seed=args.seed, batch=args.batch)
-        out = Path(get("out"))
-        rows = run_sweep(grid, settings, out, tokenizer=args.tokenizer, restart=args.restart)
-    except ValueError as err:
-        raise SystemExit(f"sweep: {err}") from None
+    grid = Grid(**{name: get(name) for name in GRID_FLAGS}, cross_truncation=args.cross_truncation)
+    settings = Settings(target=_model_name(args.target, TARGET_DIR),
+                        drafter=_model_name(args.drafter, DRAFTER_DIR), dtype=dtype, prompts=get("prompts"),
+                        prompt_tokens=get("prompt_tokens"), new_tokens=get("new_tokens"),
+                        prompt_seed=args.prompt_seed, seed=args.seed, batch=args.batch)
+    out = Path(get("out"))
+    rows = run_sweep(grid, settings, out, tokenizer=args.tokenizer, restart=args.restart)
     print(f"{len({cell_of(r) for r in rows})} cells, {len(rows)} rows in {out}")
-    return 0
-
-
-def main(argv=None) -> int:
-    """``python experiments/sweep.py [flags]`` (the same as ``ddtree sweep``)."""
-    parser = argparse.ArgumentParser(prog="sweep", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    return out
