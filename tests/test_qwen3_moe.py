@@ -17,6 +17,7 @@ from ddtree_jax.models import (
     MoeDecoderLayer,
     Qwen3Config,
     Qwen3MoeConfig,
+    commit,
     distinct_experts,
     expert_routes,
     init_cache,
@@ -79,13 +80,13 @@ def test_prefill_decode_taps_match_transformers(tmp_path, norm, tied, mlp_only, 
     # prefill 6 tokens into the cache, then decode the other 3 one by one
     cache = init_cache(3, 2, 2, 16, 16, jnp.float32)
     prefill, _, cache = target_forward(target, jnp.asarray(ids[:, :6], jnp.int32), positions(2, 6), causal(2, 6), cache)
-    rows = [prefill]
-    cache = cache.__class__(cache.k, cache.v, cache.lengths + 6)
+    rows, cache = [prefill], commit(cache, positions(2, 6), jnp.full((2,), 6, jnp.int32))
     for step in range(6, 9):
         step_logits, _, cache = target_forward(target, jnp.asarray(ids[:, step:step + 1], jnp.int32),
                                                cache.lengths[:, None], jnp.ones((2, 1, 1), bool), cache)
         rows.append(step_logits)
-        cache = cache.__class__(cache.k, cache.v, cache.lengths + 1)
+        cache = commit(cache, jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32))
+    np.testing.assert_array_equal(cache.lengths, [9, 9])
     assert np.abs(np.concatenate(rows, 1) - out.logits.numpy()).max() <= 1e-4
 
 
