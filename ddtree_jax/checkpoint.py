@@ -6,6 +6,12 @@ directories with the safetensors numpy API (never pickle). Torch ``Linear`` weig
 concatenates and saving splits and transposes back. Every tensor's name, shape and dtype is
 checked against the config before use. Targets use the ``model.`` prefix and ``lm_head.weight``
 (absent when ``tie_word_embeddings``); drafters have no prefix, plus ``fc`` and ``hidden_norm``.
+
+Qwen3-MoE targets (``model_type: qwen3_moe``): a sparse layer has the router ``mlp.gate.weight
+[E, D]`` and its experts either as the published checkpoints and ``save_pretrained`` store them,
+one tensor per expert and projection (``mlp.experts.{e}.{gate,up,down}_proj.weight``), or fused as
+transformers 5 holds them in memory (``mlp.experts.gate_up_proj [E, 2I, D]``, gate rows first, and
+``mlp.experts.down_proj [E, D, I]``). Both load; saving writes the per-expert names.
 """
 
 from __future__ import annotations
@@ -22,56 +28,108 @@ from safetensors.numpy import save_file
 
 from ddtree_jax.models.dflash import DFlashConfig, Drafter
 from ddtree_jax.models.layers import LayerShape, layer_shape
-from ddtree_jax.models.params import DecoderLayer, DrafterParams, TargetParams
+from ddtree_jax.models.params import DecoderLayer, DrafterParams, MoeDecoderLayer, TargetParams
 from ddtree_jax.models.qwen3 import Qwen3Config, Target
+from ddtree_jax.models.qwen3_moe import Qwen3MoeConfig
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                 np.dtype(ml_dtypes.bfloat16): "bfloat16"}
 _SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_FUSED_EXPERTS = ".mlp.experts.gate_up_proj"
 
 
 # ---- per-layer name map ------------------------------------------------------------------
 
-def _layer_hf_shapes(s: LayerShape) -> dict[str, tuple[int, ...]]:
-    d, dh, inter = s.hidden_size, s.head_dim, s.intermediate_size
+def _attention_hf_shapes(s: LayerShape) -> dict[str, tuple[int, ...]]:
+    d, dh = s.hidden_size, s.head_dim
     hq, hkv = s.num_attention_heads, s.num_key_value_heads
     return {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
             "self_attn.q_proj.weight": (hq * dh, d), "self_attn.k_proj.weight": (hkv * dh, d),
             "self_attn.v_proj.weight": (hkv * dh, d), "self_attn.o_proj.weight": (d, hq * dh),
-            "self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,),
-            "mlp.gate_proj.weight": (inter, d), "mlp.up_proj.weight": (inter, d), "mlp.down_proj.weight": (d, inter)}
+            "self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,)}
+
+
+def _layer_hf_shapes(s: LayerShape) -> dict[str, tuple[int, ...]]:
+    d, inter = s.hidden_size, s.intermediate_size
+    return {**_attention_hf_shapes(s), "mlp.gate_proj.weight": (inter, d), "mlp.up_proj.weight": (inter, d),
+            "mlp.down_proj.weight": (d, inter)}
+
+
+def _moe_layer_hf_shapes(s: LayerShape, num_experts: int, width: int, fused: bool) -> dict[str, tuple[int, ...]]:
+    d = s.hidden_size
+    shapes = {**_attention_hf_shapes(s), "mlp.gate.weight": (num_experts, d)}
+    if fused:
+        return shapes | {"mlp.experts.gate_up_proj": (num_experts, 2 * width, d),
+                         "mlp.experts.down_proj": (num_experts, d, width)}
+    for e in range(num_experts):
+        shapes.update({f"mlp.experts.{e}.gate_proj.weight": (width, d), f"mlp.experts.{e}.up_proj.weight": (width, d),
+                       f"mlp.experts.{e}.down_proj.weight": (d, width)})
+    return shapes
+
+
+def _attention_from_hf(get) -> dict:
+    return dict(input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
+                wqkv=np.concatenate([get(f"self_attn.{n}_proj.weight").T for n in "qkv"], axis=1),
+                q_norm=get("self_attn.q_norm.weight"), k_norm=get("self_attn.k_norm.weight"),
+                wo=get("self_attn.o_proj.weight").T)
 
 
 def _layer_from_hf(get, s: LayerShape) -> DecoderLayer:
     return DecoderLayer(
-        input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
-        wqkv=np.concatenate([get(f"self_attn.{n}_proj.weight").T for n in "qkv"], axis=1),
-        q_norm=get("self_attn.q_norm.weight"), k_norm=get("self_attn.k_norm.weight"),
-        wo=get("self_attn.o_proj.weight").T,
+        **_attention_from_hf(get),
         w_gate_up=np.concatenate([get("mlp.gate_proj.weight").T, get("mlp.up_proj.weight").T], axis=1),
         w_down=get("mlp.down_proj.weight").T)
 
 
-def _layer_to_hf(layer: DecoderLayer, s: LayerShape) -> dict:
+def _moe_layer_from_hf(get, num_experts: int, fused: bool) -> MoeDecoderLayer:
+    if fused:
+        gate_up = get("mlp.experts.gate_up_proj").transpose(0, 2, 1)
+        down = get("mlp.experts.down_proj").transpose(0, 2, 1)
+    else:
+        gate_up = np.stack([np.concatenate([get(f"mlp.experts.{e}.gate_proj.weight").T,
+                                            get(f"mlp.experts.{e}.up_proj.weight").T], axis=1)
+                            for e in range(num_experts)])
+        down = np.stack([get(f"mlp.experts.{e}.down_proj.weight").T for e in range(num_experts)])
+    return MoeDecoderLayer(**_attention_from_hf(get), router=get("mlp.gate.weight").T, experts_gate_up=gate_up,
+                           experts_down=down)
+
+
+def _attention_to_hf(layer, s: LayerShape) -> dict:
     q_cols, kv_cols = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
     wq, wk, wv = np.split(layer.wqkv, [q_cols, q_cols + kv_cols], axis=1)
-    w_gate, w_up = np.split(layer.w_gate_up, 2, axis=1)
     return {"input_layernorm.weight": layer.input_norm, "post_attention_layernorm.weight": layer.post_norm,
             "self_attn.q_proj.weight": wq.T, "self_attn.k_proj.weight": wk.T, "self_attn.v_proj.weight": wv.T,
             "self_attn.o_proj.weight": layer.wo.T, "self_attn.q_norm.weight": layer.q_norm,
-            "self_attn.k_norm.weight": layer.k_norm, "mlp.gate_proj.weight": w_gate.T,
-            "mlp.up_proj.weight": w_up.T, "mlp.down_proj.weight": layer.w_down.T}
+            "self_attn.k_norm.weight": layer.k_norm}
+
+
+def _layer_to_hf(layer: DecoderLayer | MoeDecoderLayer, s: LayerShape) -> dict:
+    tensors = _attention_to_hf(layer, s)
+    if isinstance(layer, MoeDecoderLayer):
+        tensors["mlp.gate.weight"] = layer.router.T
+        for e, (gate_up, down) in enumerate(zip(layer.experts_gate_up, layer.experts_down)):
+            w_gate, w_up = np.split(gate_up, 2, axis=1)
+            tensors.update({f"mlp.experts.{e}.gate_proj.weight": w_gate.T, f"mlp.experts.{e}.up_proj.weight": w_up.T,
+                            f"mlp.experts.{e}.down_proj.weight": down.T})
+        return tensors
+    w_gate, w_up = np.split(layer.w_gate_up, 2, axis=1)
+    return tensors | {"mlp.gate_proj.weight": w_gate.T, "mlp.up_proj.weight": w_up.T,
+                      "mlp.down_proj.weight": layer.w_down.T}
 
 
 # ---- whole-model name maps ---------------------------------------------------------------
 
-def _target_hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+def _target_hf_shapes(cfg: Qwen3Config, fused: bool) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    dense = _layer_hf_shapes(layer_shape(cfg))
+    sparse = (_moe_layer_hf_shapes(layer_shape(cfg), cfg.num_experts, cfg.moe_intermediate_size, fused)
+              if cfg.sparse_layers else {})
     for i in range(cfg.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{n}": s for n, s in _layer_hf_shapes(layer_shape(cfg)).items()})
+        layer = sparse if i in cfg.sparse_layers else dense
+        shapes.update({f"model.layers.{i}.{n}": s for n, s in layer.items()})
     return shapes
 
 
@@ -83,11 +141,16 @@ def _drafter_hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _target_params(cfg: Qwen3Config, get) -> TargetParams:
+def _target_params(cfg: Qwen3Config, get, fused: bool) -> TargetParams:
+    def layer(i):
+        get_i = lambda n: get(f"model.layers.{i}.{n}")  # noqa: E731
+        if i in cfg.sparse_layers:
+            return _moe_layer_from_hf(get_i, cfg.num_experts, fused)
+        return _layer_from_hf(get_i, layer_shape(cfg))
+
     return TargetParams(
         embed=get("model.embed_tokens.weight"), final_norm=get("model.norm.weight"),
-        layers=[_layer_from_hf(lambda n, i=i: get(f"model.layers.{i}.{n}"), layer_shape(cfg))
-                for i in range(cfg.num_hidden_layers)],
+        layers=[layer(i) for i in range(cfg.num_hidden_layers)],
         lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight").T)
 
 
@@ -119,12 +182,16 @@ def _drafter_tensors(drafter: Drafter) -> dict:
 # ---- public API --------------------------------------------------------------------------
 
 def load_target(path, dtype=None) -> Target:
-    """Load a Qwen3 target from an HF directory. ``dtype=None`` keeps the stored dtype."""
-    config = _read_config(path, Qwen3Config)
+    """Load a Qwen3 target, or a Qwen3-MoE one (``model_type: qwen3_moe``; per-expert or fused
+    expert tensors, see the module docstring), from an HF directory. ``dtype=None`` keeps the
+    stored dtype."""
+    config = _read_config(path, _TargetConfig)
+    fused = bool(config.sparse_layers) and any(
+        name.endswith(_FUSED_EXPERTS) for names in _weight_files(path).values() for name in names)
     # Tied checkpoints may still carry a copy of the embedding as lm_head.weight; it is unused.
     optional = {"lm_head.weight": (config.vocab_size, config.hidden_size)} if config.tie_word_embeddings else {}
-    get, stored = _open_checked(path, _target_hf_shapes(config), optional)
-    return Target(config=config, params=_as_jax(_target_params(config, get), dtype or stored))
+    get, stored = _open_checked(path, _target_hf_shapes(config, fused), optional)
+    return Target(config=config, params=_as_jax(_target_params(config, get, fused), dtype or stored))
 
 
 def load_drafter(path, dtype=None) -> Drafter:
@@ -135,7 +202,8 @@ def load_drafter(path, dtype=None) -> Drafter:
 
 
 def save_target(path, target: Target, *, max_shard_bytes=None) -> None:
-    """Write ``target`` as an HF directory that ``transformers.Qwen3ForCausalLM`` opens.
+    """Write ``target`` as an HF directory that ``transformers.Qwen3ForCausalLM`` (or, for a
+    Qwen3-MoE target, ``Qwen3MoeForCausalLM``) opens.
 
     With ``max_shard_bytes``, tensors are split over several files with an index json.
     """
@@ -148,6 +216,14 @@ def save_drafter(path, drafter: Drafter, *, max_shard_bytes=None) -> None:
 
 
 # ---- files -------------------------------------------------------------------------------
+
+class _TargetConfig:
+    """The target config class a ``config.json`` names: Qwen3-MoE for ``model_type: qwen3_moe``."""
+
+    @staticmethod
+    def from_hf(hf):
+        return (Qwen3MoeConfig if hf.get("model_type") == "qwen3_moe" else Qwen3Config).from_hf(hf)
+
 
 def _read_config(path, cls):
     """``cls.from_hf`` of ``path/config.json``; every problem with the file is a ``ValueError`` naming it."""

@@ -29,6 +29,11 @@ Partition rules for the target (``tp`` = size of the ``"tp"`` axis):
   ``[B, N, V]`` float32 all-gather per round, tens of MB at most.
 * Norm weights are replicated. The drafter (a few layers) is replicated, so drafting needs no
   collectives.
+* Qwen3-MoE sparse layers: the stacked experts ``experts_gate_up [E, D, 2I]`` and
+  ``experts_down [E, I, D]`` are split over the expert axis (expert parallelism on ``"tp"``: device
+  j holds experts ``[j E/tp, (j + 1) E/tp)`` whole), the router ``[D, E]`` is replicated. Each
+  device computes its own experts' share of every token routed to them inside ``shard_map`` and
+  the shares are all-reduced (`ddtree_jax.models.moe`); attention stays tensor-parallel as above.
 
 Data parallelism: every per-request array (prompts, caches, decode state, sampling parameters)
 is split over ``"dp"`` along its batch axis; parameters are replicated over ``"dp"``.
@@ -57,6 +62,7 @@ from ddtree_jax.models.params import Model
 
 AXES = ("dp", "tp")
 _ROW_SHARDED = ("wqkv", "w_gate_up", "wo", "w_down")
+_EXPERT_SHARDED = ("experts_gate_up", "experts_down")
 
 
 def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
@@ -76,10 +82,12 @@ def tp_size(mesh: Mesh) -> int:
 
 
 def check_tp(config, tp: int) -> None:
-    """Raise ``ValueError`` unless ``tp`` divides the target's attention heads, hidden size and MLP
-    size (the row blocks of `target_specs` must be whole heads and equal)."""
+    """Raise ``ValueError`` unless ``tp`` divides the target's attention heads, hidden size, MLP
+    size and, for a Qwen3-MoE target, its number of experts (the row blocks and expert blocks of
+    `target_specs` must be whole heads and equal)."""
     tp = checks.positive_int("tp", tp)
-    for name in ("num_attention_heads", "hidden_size", "intermediate_size"):
+    experts = ("num_experts",) if config.sparse_layers else ()
+    for name in ("num_attention_heads", "hidden_size", "intermediate_size", *experts):
         value = getattr(config, name)
         if value % tp:
             raise ValueError(f"tp={tp} does not divide the target's {name}={value}")
@@ -100,6 +108,8 @@ def _param_spec(path, tp: int, vocab: int) -> P:
     name = path[-1].name
     if name in _ROW_SHARDED:
         return P("tp", None)
+    if name in _EXPERT_SHARDED:
+        return P("tp", None, None)
     if vocab % tp == 0 and name == "embed":
         return P("tp", None)
     if vocab % tp == 0 and name == "lm_head":

@@ -18,7 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import engine, sharding
-from ddtree_jax.models import DFlashConfig, Qwen3Config, commit, init_cache, init_drafter, init_target, target_forward
+from ddtree_jax.models import (
+    DFlashConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    commit,
+    init_cache,
+    init_drafter,
+    init_target,
+    target_forward,
+)
 from ddtree_jax.kernels import attention_fn
 from pallas_kernels.tree_attention_reference import tree_attention_reference as attention
 from ddtree_jax.tree import build_tree, tree_attention_mask, tree_positions
@@ -26,11 +35,15 @@ from ddtree_jax.tree import build_tree, tree_attention_mask, tree_positions
 # a: kv heads divisible by 8 (cache over heads), untied head, vocab divisible by 8.
 # b: 2 kv heads (cache replicated for tp > 2), tied head, vocab 10 (replicated for tp = 4, 8).
 # c, d: a and b with the head_dim 16 the Pallas kernel needs.
+# e: a Qwen3-MoE target (layer 0 sparse: 16 experts split over tp, 4 per token; layer 1 dense), else a.
 MODELS = {
     "a": dict(vocab_size=8, num_key_value_heads=8, tie_word_embeddings=False, head_dim=8),
     "b": dict(vocab_size=10, num_key_value_heads=2, tie_word_embeddings=True, head_dim=8),
     "c": dict(vocab_size=8, num_key_value_heads=8, tie_word_embeddings=False, head_dim=16),
     "d": dict(vocab_size=10, num_key_value_heads=2, tie_word_embeddings=True, head_dim=16),
+    "e": dict(vocab_size=8, num_key_value_heads=8, tie_word_embeddings=False, head_dim=8,
+              moe=dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
+                       mlp_only_layers=(1,))),
 }
 # (query heads, kv heads, tp, dp, split_heads) of the kernel-in-shard_map check: cache over kv heads;
 # replicated with one kv head per device (tp = 4, 8); replicated with one kv head per query head
@@ -46,8 +59,10 @@ GENERATE = dict(method="ddtree", budget=10, topk_cap=None, draft_temperature=8.0
 
 def tiny_models(name: str):
     """A tiny fp32 target (8 query heads) and drafter of model ``name`` (see ``MODELS``)."""
-    m = MODELS[name]
-    tc = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, **m)
+    m = dict(MODELS[name])
+    experts = m.pop("moe", None)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, **m)
+    tc = Qwen3Config(**shape) if experts is None else Qwen3MoeConfig(**shape, **experts)
     dc = DFlashConfig(vocab_size=m["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=4,
                       target_layer_ids=(0, 1), mask_token_id=m["vocab_size"] - 1, num_target_layers=2)

@@ -10,13 +10,16 @@ from scipy import stats
 
 from ddtree_jax import engine, oracle
 from ddtree_jax.engine import generate
-from ddtree_jax.models import DFlashConfig, Qwen3Config, init_drafter, init_target, target_logits
+from ddtree_jax.models import DFlashConfig, Qwen3Config, Qwen3MoeConfig, init_drafter, init_target, target_logits
 
 
-def tiny_pair(vocab, seed=0, block_size=5, head_dim=8):
-    """A tiny fp32 target and drafter; a small vocabulary makes trees cover the likely continuations."""
-    tc = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, tie_word_embeddings=True)
+def tiny_pair(vocab, seed=0, block_size=5, head_dim=8, moe=False):
+    """A tiny fp32 target and drafter; a small vocabulary makes trees cover the likely continuations.
+    ``moe``: a Qwen3-MoE target (layers 0 and 2 sparse, 8 experts, 2 per token; the drafter taps both)."""
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=head_dim, tie_word_embeddings=True)
+    tc = (Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                         norm_topk_prob=False, mlp_only_layers=(1,)) if moe else Qwen3Config(**shape))
     dc = DFlashConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, block_size=block_size,
                       target_layer_ids=(0, 2), mask_token_id=vocab - 1, num_target_layers=3)
@@ -28,10 +31,11 @@ def tiny_pair(vocab, seed=0, block_size=5, head_dim=8):
 PROMPTS = [[1, 2, 3, 4, 5], [7, 1], [3, 3, 3, 2, 1, 0, 5, 6], [4]]
 
 
+@pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("method,budget,cap", [("chain", 1, None), ("ddtree", 4, None), ("ddtree", 16, 4),
                                                ("ddtree", 48, None)])
-def test_greedy_chain_and_ddtree_reproduce_ar(method, budget, cap):
-    target, drafter = tiny_pair(vocab=8)
+def test_greedy_chain_and_ddtree_reproduce_ar(method, budget, cap, moe):
+    target, drafter = tiny_pair(vocab=8, moe=moe)
     ar = generate(target, drafter, PROMPTS, method="ar", max_new_tokens=24)
     spec = generate(target, drafter, PROMPTS, method=method, budget=budget, topk_cap=cap, max_new_tokens=24)
     np.testing.assert_array_equal(spec.tokens, ar.tokens)
@@ -41,9 +45,10 @@ def test_greedy_chain_and_ddtree_reproduce_ar(method, budget, cap):
     assert spec.tau >= 1.0 and ar.tau == 1.0
 
 
-def test_greedy_matches_full_recomputation():
+@pytest.mark.parametrize("moe", [False, True])
+def test_greedy_matches_full_recomputation(moe):
     """AR greedy equals argmax decoding by recomputing the whole sequence each step (no cache)."""
-    target, _ = tiny_pair(vocab=8)
+    target, _ = tiny_pair(vocab=8, moe=moe)
     ar = generate(target, None, [PROMPTS[0]], method="ar", max_new_tokens=6)
     seq = list(PROMPTS[0])
     for _ in range(6):
@@ -81,10 +86,11 @@ def chi2_pvalue(samples, law):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("moe,seed", [(False, 3), (True, 4)])  # pairs whose random drafter gets drafts accepted
 @pytest.mark.parametrize("t,k,p,budget,cap", [(1.0, 0, 1.0, 12, None), (0.7, 3, 0.9, 8, 2)])
-def test_ddtree_sampling_has_the_ar_law_of_three_tokens(t, k, p, budget, cap):
+def test_ddtree_sampling_has_the_ar_law_of_three_tokens(t, k, p, budget, cap, moe, seed):
     vocab, samples, prompt = 6, 6000, [1, 4, 2]
-    target, drafter = tiny_pair(vocab=vocab, seed=3)
+    target, drafter = tiny_pair(vocab=vocab, seed=seed, moe=moe)
     res = generate(target, drafter, [prompt] * samples, method="ddtree", budget=budget, topk_cap=cap,
                    temperature=t, top_k=k, top_p=p, max_new_tokens=3, key=jax.random.key(7), with_expected=False)
     assert res.tau > 1.2  # the law is produced by accepted drafts, not only by final draws
@@ -94,8 +100,9 @@ def test_ddtree_sampling_has_the_ar_law_of_three_tokens(t, k, p, budget, cap):
     assert chi2_pvalue(first3, wrong) < 1e-6
 
 
-def test_request_output_does_not_depend_on_the_batch():
-    target, drafter = tiny_pair(vocab=16, seed=5)
+@pytest.mark.parametrize("moe", [False, True])
+def test_request_output_does_not_depend_on_the_batch(moe):
+    target, drafter = tiny_pair(vocab=16, seed=5, moe=moe)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [2], [3, 1, 4, 1, 5], [9, 2, 6], [5, 3], [5, 8, 9, 7], [9, 3, 2, 3]]
     temps = np.array([1.0, 0.0, 0.5, 1.3, 1.0, 0.0, 0.8, 2.0], np.float32)
     top_k = np.array([0, 0, 3, 0, 5, 0, 2, 0], np.int32)

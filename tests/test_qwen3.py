@@ -10,6 +10,7 @@ import transformers
 from ddtree_jax.checkpoint import load_target, save_target
 from ddtree_jax.models import (
     Qwen3Config,
+    Qwen3MoeConfig,
     check_capacity,
     commit,
     init_cache,
@@ -116,9 +117,12 @@ def test_saved_target_opens_in_transformers(tmp_path, tied):
                                atol=1e-4, rtol=0)
 
 
-def small_target(seed=0, dtype=jnp.float32):
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+def small_target(seed=0, dtype=jnp.float32, moe=False):
+    """A tiny random target; ``moe``: a Qwen3-MoE one whose first layer is sparse (8 experts, 2 per token)."""
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    config = (Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                             norm_topk_prob=True, mlp_only_layers=(1,)) if moe else Qwen3Config(**shape))
     return init_target(config, jax.random.key(seed), dtype, std=0.2)
 
 
@@ -129,8 +133,9 @@ def path_to(parents, node):
     return path[::-1]
 
 
-def test_tree_verify_equals_sequential_decoding_and_commit():
-    target = small_target()
+@pytest.mark.parametrize("moe", [False, True])
+def test_tree_verify_equals_sequential_decoding_and_commit(moe):
+    target = small_target(moe=moe)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, VOCAB, 3), rng.integers(0, VOCAB, 6)]
     _, prefix_cache = prefill(target, prompts, max_len=20)

@@ -6,6 +6,7 @@ unsharded references on its own device. Cases are ``MODEL:TP:DP``; model "a" has
 vocabulary of 8 (cache and vocabulary split at every tp), model "b" 2 KV heads and a vocabulary of 10
 (both replicated at tp = 4). ``MODEL:TP:DP:interpret`` cases run the Pallas attention kernel (interpreted)
 inside ``shard_map`` on models "c" and "d", "a" and "b" with head_dim 16, against the unsharded XLA path.
+Model "e" is a Qwen3-MoE target: its 16 experts are split over "tp" (2 per device at tp = 8).
 """
 
 import json
@@ -28,10 +29,11 @@ from ddtree_jax.cli import main as cli_main
 from ddtree_jax.models import Qwen3Config, drafter_forward, init_cache, target_forward
 
 KERNEL_CASES = ("c:2:1:interpret", "d:4:1:interpret", "c:2:2:interpret")  # d:4:1: 2 KV heads over tp = 4
-CASES = ("a:1:1", "a:2:1", "a:4:1", "a:8:1", "b:4:2", *KERNEL_CASES)
-WORKERS = (("a:1:1", "a:4:1", "b:4:2", "d:4:1:interpret", "attention"),
-           ("a:2:1", "a:8:1", "c:2:1:interpret", "c:2:2:interpret"))
+CASES = ("a:1:1", "a:2:1", "a:4:1", "a:8:1", "b:4:2", "e:8:1", "e:4:2", *KERNEL_CASES)
+WORKERS = (("a:1:1", "a:4:1", "b:4:2", "d:4:1:interpret", "e:8:1", "attention"),
+           ("a:2:1", "a:8:1", "c:2:1:interpret", "c:2:2:interpret", "e:4:2"))
 ROW_SPLIT = {"wqkv", "wo", "w_gate_up", "w_down"}
+EXPERT_SPLIT = {"experts_gate_up", "experts_down"}
 
 
 def parse(case):
@@ -127,6 +129,8 @@ def expected_target_shard(path, shape, tp, vocab):
     name = path.rsplit(".", 1)[-1]
     if name in ROW_SPLIT or (name == "embed" and vocab % tp == 0):
         return [shape[0] // tp, shape[1]]
+    if name in EXPERT_SPLIT:  # whole experts per device
+        return [shape[0] // tp, *shape[1:]]
     if name == "lm_head" and vocab % tp == 0:
         return [shape[0], shape[1] // tp]
     return list(shape)
@@ -148,6 +152,11 @@ def test_parameter_shardings(runs, case):
     assert results["target_params"][".layers[0].wqkv"][0] == [64 // tp, qkv_columns]
     tied = sharded_check.MODELS[model]["tie_word_embeddings"]
     assert (".lm_head" in results["target_params"]) == (not tied)
+    if "moe" in sharded_check.MODELS[model]:  # 16 experts of width 32: whole experts per device, router everywhere
+        assert results["target_params"][".layers[0].experts_gate_up"][0] == [16 // tp, 64, 64]
+        assert results["target_params"][".layers[0].experts_down"][0] == [16 // tp, 32, 64]
+        assert results["target_params"][".layers[0].router"][0] == [64, 16]
+        assert results["target_params"][".layers[1].w_down"][0] == [128 // tp, 64]  # the dense layer
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -49,7 +49,7 @@ import numpy as np
 from ddtree_jax import checks, engine, kernels, sharding
 from ddtree_jax.experiments import profiling
 from ddtree_jax.models import (
-    DFlashConfig, KVCache, Qwen3Config, commit, drafter_forward, init_cache, init_drafter, init_target,
+    DFlashConfig, KVCache, Qwen3Config, Qwen3MoeConfig, commit, drafter_forward, init_cache, init_drafter, init_target,
     target_forward,
 )
 from ddtree_jax.sampling import coins_from_keys, request_keys
@@ -67,6 +67,18 @@ SHAPES = {
     "tiny": dict(  # 8 query heads so that tensor parallelism up to 8 applies
         target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=8192),
+        drafter=dict(num_hidden_layers=1, block_size=8, target_layer_ids=(0, 3))),
+    # Qwen3-MoE shapes (a target with "num_experts" is a Qwen3MoeConfig; experiments/bench_moe.py studies them)
+    "qwen3-30b-a3b": dict(
+        target=dict(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=131072,
+                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+        drafter=dict(num_hidden_layers=5, block_size=16, target_layer_ids=(1, 12, 23, 34, 45))),
+    "tiny-moe": dict(  # layer 0 dense, 16 experts: expert parallelism up to 8 applies
+        target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=8192,
+                    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
+                    mlp_only_layers=(0,)),
         drafter=dict(num_hidden_layers=1, block_size=8, target_layer_ids=(0, 3))),
 }
 
@@ -117,7 +129,8 @@ def make_models(shapes: str):
               "head_dim")
     dc = DFlashConfig(**{k: t[k] for k in shared}, mask_token_id=t["vocab_size"] - 1,
                       num_target_layers=t["num_hidden_layers"], **s["drafter"])
-    return init_target(Qwen3Config(**t), jax.random.key(0)), init_drafter(dc, jax.random.key(1))
+    config = (Qwen3MoeConfig if "num_experts" in t else Qwen3Config)(**t)
+    return init_target(config, jax.random.key(0)), init_drafter(dc, jax.random.key(1))
 
 
 def make_state(target, drafter, spec, batch, context, max_new=4096) -> engine.DecodeState:

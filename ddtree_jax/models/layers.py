@@ -21,7 +21,8 @@ from pallas_kernels.matmul_reference import matmul_reference, rms_norm
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
-    """The shape fields of a Qwen3 decoder layer (shared by target and drafter configs)."""
+    """The static fields of a Qwen3 decoder layer (shared by target and drafter configs); the
+    routing fields are read by sparse (`MoeDecoderLayer`) layers only."""
 
     hidden_size: int
     intermediate_size: int
@@ -30,11 +31,16 @@ class LayerShape:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
 
 
 def layer_shape(config) -> LayerShape:
-    """The `LayerShape` of any config carrying the Qwen3 layer fields."""
-    return LayerShape(**{f.name: getattr(config, f.name) for f in dataclasses.fields(LayerShape)})
+    """The `LayerShape` of any config carrying the Qwen3 layer fields (and, for a Qwen3-MoE
+    config, the routing fields)."""
+    fields = dataclasses.fields(LayerShape)
+    return LayerShape(**{f.name: getattr(config, f.name) for f in fields
+                         if f.default is dataclasses.MISSING or hasattr(config, f.name)})
 
 
 def project(matmul, x_BNK, w_KN, *, residual_BNM=None, **kwargs):
@@ -93,13 +99,20 @@ def attention_inputs(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape
     return (q_BNHD, *_rotated_key_value(layer, qkv_BNC[..., q_cols:], positions_BN, shape))
 
 
-def layer_output(layer: DecoderLayer, x_BND, attn_BNHD, shape: LayerShape, matmul=matmul_reference):
-    """The rest of a decoder layer after attention: output projection and residual, then the
-    SwiGLU MLP (its norm the gate/up product's prologue, SwiGLU its epilogue) and residual (each
-    residual add the epilogue of its product)."""
-    x_BND = project(matmul, attn_BNHD.reshape(*x_BND.shape[:2], -1), layer.wo, residual_BNM=x_BND)
+def dense_mlp(layer: DecoderLayer, x_BND, shape: LayerShape, matmul=matmul_reference):
+    """The SwiGLU MLP block and its residual: ``x + down(swiglu(rms_norm(x) @ w_gate_up))``, the
+    norm the gate/up product's prologue, SwiGLU its epilogue and the residual add the down
+    product's epilogue."""
     h_BNI = project(matmul, x_BND, layer.w_gate_up, norm_K=layer.post_norm, eps=shape.rms_norm_eps, gated=True)
     return project(matmul, h_BNI, layer.w_down, residual_BNM=x_BND)
+
+
+def layer_output(layer, x_BND, attn_BNHD, shape: LayerShape, matmul=matmul_reference, mlp=dense_mlp):
+    """The rest of a decoder layer after attention: output projection and residual (its epilogue),
+    then ``mlp(layer, x_BND, shape, matmul)``, the MLP block with its residual (`dense_mlp`, or
+    `moe.decoder_mlp`'s choice per layer type)."""
+    x_BND = project(matmul, attn_BNHD.reshape(*x_BND.shape[:2], -1), layer.wo, residual_BNM=x_BND)
+    return mlp(layer, x_BND, shape, matmul)
 
 
 def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads: bool = True):
@@ -117,20 +130,21 @@ def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads:
 
 
 def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=(),
-                matmul=matmul_reference):
-    """Run decoder layers on ``x [B, N, D]``; only the attention differs between callers.
+                matmul=matmul_reference, mlp=dense_mlp):
+    """Run decoder layers on ``x [B, N, D]``; only the attention and the MLP differ between callers.
 
     ``attend(i, q_BNHD, k_BNKD, v_BNKD, state) -> (out_BNHD, state)`` does layer i's attention
     (and any cache writes, threaded through ``state``); ``matmul`` (a `kernels.matmul_fn`) does
-    the projections. Returns the final hidden ``[B, N, D]`` (before the final norm), the list of
-    hidden states after each layer id in ``tap_layers`` (in that order) and the state.
+    the projections; ``mlp`` the MLP block (see `layer_output`). Returns the final hidden
+    ``[B, N, D]`` (before the final norm), the list of hidden states after each layer id in
+    ``tap_layers`` (in that order) and the state.
     """
     taps = {}
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer_{i}"):
             q_BNHD, k_BNKD, v_BNKD = attention_inputs(layer, x_BND, positions_BN, shape, matmul)
             attn_BNHD, state = attend(i, q_BNHD, k_BNKD, v_BNKD, state)
-            x_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul)
+            x_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul, mlp)
         taps[i] = x_BND
     return x_BND, [taps[i] for i in tap_layers], state
 
@@ -145,15 +159,21 @@ def random_norm(key, size, dtype):
     return (1.0 + 0.1 * jax.random.normal(key, (size,))).astype(dtype)
 
 
+def init_attention(keys, shape: LayerShape, dtype, std=0.02) -> dict:
+    """The random attention fields and norms every decoder layer has, from six keys (``wqkv``,
+    ``wo``, then the four norms): ``{field: array}``."""
+    d, dh = shape.hidden_size, shape.head_dim
+    qkv_cols = (shape.num_attention_heads + 2 * shape.num_key_value_heads) * dh
+    return dict(wqkv=random_matrix(keys[0], (d, qkv_cols), dtype, std),
+                wo=random_matrix(keys[1], (shape.num_attention_heads * dh, d), dtype, std),
+                input_norm=random_norm(keys[2], d, dtype), q_norm=random_norm(keys[3], dh, dtype),
+                k_norm=random_norm(keys[4], dh, dtype), post_norm=random_norm(keys[5], d, dtype))
+
+
 def init_layer(key, shape: LayerShape, dtype, std=0.02) -> DecoderLayer:
     """Random decoder-layer params (normal(0, std) matrices, norm weights near 1)."""
-    d, dh, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    qkv_cols = (shape.num_attention_heads + 2 * shape.num_key_value_heads) * dh
-    k = iter(jax.random.split(key, 8))
-    return DecoderLayer(
-        wqkv=random_matrix(next(k), (d, qkv_cols), dtype, std),
-        wo=random_matrix(next(k), (shape.num_attention_heads * dh, d), dtype, std),
-        w_gate_up=random_matrix(next(k), (d, 2 * inter), dtype, std),
-        w_down=random_matrix(next(k), (inter, d), dtype, std),
-        input_norm=random_norm(next(k), d, dtype), q_norm=random_norm(next(k), dh, dtype),
-        k_norm=random_norm(next(k), dh, dtype), post_norm=random_norm(next(k), d, dtype))
+    d, inter = shape.hidden_size, shape.intermediate_size
+    k = jax.random.split(key, 8)
+    return DecoderLayer(**init_attention(k[np.array([0, 1, 4, 5, 6, 7])], shape, dtype, std),
+                        w_gate_up=random_matrix(k[2], (d, 2 * inter), dtype, std),
+                        w_down=random_matrix(k[3], (inter, d), dtype, std))

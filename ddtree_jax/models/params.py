@@ -2,8 +2,8 @@
 
 Weights are in ``x @ W`` orientation (``[in, out]``); q/k/v and gate/up are fused into one matrix
 each, so a decoder layer runs two matmuls before attention and after it instead of five. Shape
-letters: D hidden, Dh head, Hq query heads, Hkv key/value heads, I MLP width, V vocabulary,
-F = (number of target taps) x D.
+letters: D hidden, Dh head, Hq query heads, Hkv key/value heads, I MLP width (of one expert in a
+sparse layer), E experts, V vocabulary, F = (number of target taps) x D.
 """
 
 from __future__ import annotations
@@ -23,27 +23,45 @@ def _pytree(cls):
                                             meta_fields=[])
 
 
-@_pytree
-class DecoderLayer:
-    """One Qwen3 decoder layer (the target's and the DFlash drafter's)."""
+@dataclasses.dataclass(frozen=True)
+class _AttentionBlock:
+    """The fields every decoder layer has: the attention block and the two norms."""
 
     input_norm: Float[Array, " D"]
     wqkv: Float[Array, "D C"]  # C = (Hq + 2 Hkv) Dh: q, k, v column blocks, head-major in each
     q_norm: Float[Array, " Dh"]
     k_norm: Float[Array, " Dh"]
     wo: Float[Array, "HqDh D"]
-    post_norm: Float[Array, " D"]
+    post_norm: Float[Array, " D"]  # the MLP's input norm
+
+
+@_pytree
+class DecoderLayer(_AttentionBlock):
+    """One Qwen3 decoder layer (the target's and the DFlash drafter's): attention, then a SwiGLU MLP."""
+
     w_gate_up: Float[Array, "D I2"]  # gate columns, then up columns
     w_down: Float[Array, "I D"]
 
 
 @_pytree
+class MoeDecoderLayer(_AttentionBlock):
+    """A Qwen3-MoE sparse layer: the same attention, then E SwiGLU experts behind a router
+    (`ddtree_jax.models.moe`). Expert weights are stacked along their first axis, each expert in
+    the dense layer's orientation, so one grouped matmul (``jax.lax.ragged_dot``) takes them whole
+    and the expert-parallel split is a split of that axis."""
+
+    router: Float[Array, "D E"]
+    experts_gate_up: Float[Array, "E D I2"]  # per expert: gate columns, then up columns
+    experts_down: Float[Array, "E I D"]
+
+
+@_pytree
 class TargetParams:
-    """A Qwen3 target. ``lm_head`` is ``None`` when the embeddings are tied (the head is
-    ``embed.T``)."""
+    """A Qwen3 or Qwen3-MoE target (the latter's sparse layers are `MoeDecoderLayer`s). ``lm_head``
+    is ``None`` when the embeddings are tied (the head is ``embed.T``)."""
 
     embed: Float[Array, "V D"]
-    layers: list[DecoderLayer]
+    layers: list[DecoderLayer | MoeDecoderLayer]
     final_norm: Float[Array, " D"]
     lm_head: Float[Array, "D V"] | None
 

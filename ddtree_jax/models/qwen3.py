@@ -3,7 +3,9 @@
 One forward serves prefill, decode and tree verify: N new tokens at given positions attend to
 the request's committed cache slots and to each other through a mask ``[B, N, N]``.
 Params: `params.TargetParams` (layers unrolled as a list; ``lm_head`` is ``None`` when
-``tie_word_embeddings``: the head is ``embed.T``).
+``tie_word_embeddings``: the head is ``embed.T``). The same functions run a Qwen3-MoE target
+(`qwen3_moe.Qwen3MoeConfig`): its sparse layers are `params.MoeDecoderLayer`s, whose MLP block is
+`moe.moe_mlp`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from ddtree_jax import checks, kernels
 from ddtree_jax.models import layers as L
+from ddtree_jax.models import moe
 from ddtree_jax.models.cache import KVCache, check_cache_shape
 from ddtree_jax.models.params import Model, TargetParams
 from ddtree_jax.sharding import check_mesh
@@ -25,6 +28,7 @@ from pallas_kernels.matmul_reference import matmul_reference
 
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                 "mlp_bias": False}
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +63,20 @@ class Qwen3Config:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Ids of the layers whose MLP is routed experts: none in a dense Qwen3."""
+        return ()
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]):
         """From a transformers ``config.json`` dict (4.x top-level ``rope_theta`` or 5.x
-        ``rope_parameters``). Raises ``ValueError`` for features this implementation lacks."""
+        ``rope_parameters``). Raises ``ValueError`` for features this implementation lacks, and
+        for a mixture-of-experts config (`qwen3_moe.Qwen3MoeConfig` reads Qwen3-MoE ones)."""
+        for key in _EXPERT_COUNTS:
+            if hf.get(key):
+                raise ValueError(f"config.json: {key}={hf[key]!r}: a mixture-of-experts model is not a dense Qwen3 "
+                                 f"(model_type {hf.get('model_type')!r}; Qwen3-MoE loads as Qwen3MoeConfig)")
         return cls(**config_fields_from_hf(cls, hf))
 
     def to_hf(self) -> dict[str, Any]:
@@ -105,13 +119,20 @@ Target = Model[Qwen3Config, TargetParams]
 
 
 def init_target(config: Qwen3Config, key, dtype=jnp.bfloat16, *, std=0.02) -> Target:
-    """Random params: normal(0, std) matrices, norm weights near 1."""
+    """Random params: normal(0, std) matrices, norm weights near 1; a Qwen3-MoE config's sparse
+    layers get routed experts (`moe.init_moe_layer`)."""
     shape = L.layer_shape(config)
     key_embed, key_head, key_norm, *layer_keys = jax.random.split(key, 3 + config.num_hidden_layers)
     d, v = config.hidden_size, config.vocab_size
+
+    def layer(i, k):
+        if i in config.sparse_layers:
+            return moe.init_moe_layer(k, shape, config.num_experts, config.moe_intermediate_size, dtype, std)
+        return L.init_layer(k, shape, dtype, std)
+
     params = TargetParams(
         embed=L.random_matrix(key_embed, (v, d), dtype, std),
-        layers=[L.init_layer(k, shape, dtype, std) for k in layer_keys],
+        layers=[layer(i, k) for i, k in enumerate(layer_keys)],
         final_norm=L.random_norm(key_norm, d, dtype),
         lm_head=None if config.tie_word_embeddings else L.random_matrix(key_head, (d, v), dtype, std))
     return Target(config=config, params=params)
@@ -126,11 +147,15 @@ def project_vocab(target: Target, h_BND, matmul=matmul_reference):
     return L.project(matmul, h_BND, target.params.lm_head, out_dtype=jnp.float32)
 
 
-def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers, logits_at_BK=None,
-                matmul=matmul_reference):
+def run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers, logits_at_BK=None,
+               matmul=matmul_reference, mlp=None):
+    """The body of every target forward: embedding, `layers.run_decoder` (``attend``, ``state``,
+    ``matmul`` and ``mlp`` as there; ``mlp`` default `moe.decoder_mlp()`), final norm, taps and LM head.
+    Returns ``(logits, taps_BNF, state)`` as `target_forward`."""
     cfg = target.config
+    mlp = moe.decoder_mlp() if mlp is None else mlp
     x_BND, taps, state = L.run_decoder(target.params.layers, L.layer_shape(cfg), target.params.embed[tokens_BN],
-                                       positions_BN, attend, state, tap_layers, matmul)
+                                       positions_BN, attend, state, tap_layers, matmul, mlp)
     h_BND = L.rms_norm(x_BND, target.params.final_norm, cfg.rms_norm_eps)
     # As HF's hidden_states[id + 1], the last layer's tap is taken after the final norm.
     taps = [h_BND if i == cfg.num_hidden_layers - 1 else tap for i, tap in zip(tap_layers, taps)]
@@ -144,8 +169,8 @@ def _run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_laye
 def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers, attention_impl,
                     matmul_impl, mesh):
     attend = L.cached_attend(mask_BNN, target.config.head_dim ** -0.5, attention_impl, mesh)
-    return _run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers, logits_at_BK,
-                       kernels.matmul_fn(matmul_impl, mesh))
+    return run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers, logits_at_BK,
+                      kernels.matmul_fn(matmul_impl, mesh), moe.decoder_mlp(mesh))
 
 
 def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVCache, *, tap_layers=(),
@@ -163,17 +188,13 @@ def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVC
     logits are computed: ``[B, K, V]`` (e.g. the last prompt token of a long prefill).
     ``attention_impl``, ``matmul_impl``: each one of `kernels.IMPLS` (see `ddtree_jax.kernels`).
     ``mesh``: the ``("dp", "tp")`` mesh the target and cache are placed on (`ddtree_jax.sharding`),
-    for the kernels to run per device inside ``shard_map`` (static; ``None``: one device).
+    for the kernels and a Qwen3-MoE target's experts to run per device inside ``shard_map`` (static;
+    ``None``: one device).
     """
     tap_layers = _check_taps(target.config, tap_layers)
     kernels.check_impl("attention_impl", attention_impl)
     kernels.check_impl("matmul_impl", matmul_impl)
-    _check_tokens(target.config, tokens_BN, positions_BN, mask_BNN)
-    cfg = target.config
-    if mesh is not None:
-        check_mesh(mesh, cfg, np.shape(tokens_BN)[0])
-    check_cache_shape(cache, num_layers=cfg.num_hidden_layers, batch=np.shape(tokens_BN)[0],
-                      kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    check_forward_args(target, tokens_BN, positions_BN, mask_BNN, cache, mesh)
     if logits_at_BK is not None:
         _check_rows(logits_at_BK, np.shape(tokens_BN))
     return _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_BK, tap_layers,
@@ -192,8 +213,19 @@ def _target_forward_nocache(target, tokens_BN, positions_BN, mask_BNN, tap_layer
                           no_prefix_B, mask_BNN, scale=scale)
         return out, state
 
-    logits_BNV, taps_BNF, _ = _run_layers(target, tokens_BN, positions_BN, attend, None, tap_layers)
+    logits_BNV, taps_BNF, _ = run_layers(target, tokens_BN, positions_BN, attend, None, tap_layers)
     return logits_BNV, taps_BNF
+
+
+def check_forward_args(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVCache, mesh=None):
+    """Raise ``ValueError`` unless the arguments of `target_forward` fit ``target`` (shapes,
+    dtypes, token ids, the cache's shape and, when given, the mesh)."""
+    cfg = target.config
+    _check_tokens(cfg, tokens_BN, positions_BN, mask_BNN)
+    if mesh is not None:
+        check_mesh(mesh, cfg, np.shape(tokens_BN)[0])
+    check_cache_shape(cache, num_layers=cfg.num_hidden_layers, batch=np.shape(tokens_BN)[0],
+                      kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
 
 
 def target_forward_nocache(target: Target, tokens_BN, positions_BN=None, mask_BNN=None, *, tap_layers=()):
