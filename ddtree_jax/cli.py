@@ -177,9 +177,9 @@ def cmd_generate(args) -> int:
     else:
         if tokenizer is None:
             print(" ".join(map(str, ids)))
-        print(f"\n\n[{args.method}] tau {stats['tau']:.2f} (expected accepted {stats['expected_accepted']:.2f}) | "
-              f"{stats['tokens']} tokens in {stats['rounds']} rounds | {stats['tokens_per_s']:.1f} tokens/s "
-              f"({stats['backend']})")
+        print(f"\n\n[{args.method}] tau {stats['tau']:.2f} (acceptance length {stats['acceptance_length']:.2f}, "
+              f"expected accepted {stats['expected_accepted']:.2f}) | {stats['tokens']} tokens in {stats['rounds']} "
+              f"rounds | {stats['tokens_per_s']:.1f} tokens/s ({stats['backend']})")
     return 0
 
 

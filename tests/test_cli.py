@@ -43,6 +43,26 @@ def test_generate_streams_text_and_statistics(capsys):
         "(about half a minute on a small CPU)"]
 
 
+def test_streamed_text_is_the_returned_text_and_tau_matches_the_counts(capsys):
+    """The stream stops at --max-new-tokens exactly (the last round may emit more) and the printed tau is
+    the printed tokens over the printed rounds."""
+    args = ["generate", "--prompt-ids", PROMPT_IDS, "--method", "chain", "--temperature", "0", "--max-new-tokens",
+            "10", "--no-stop"]
+    assert main(args + ["--json"]) == 0
+    returned = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    streamed, stats_line = capsys.readouterr().out.rsplit("\n\n[chain] ", 1)
+    from ddtree_jax.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(TARGET_DIR / "tokenizer.json")
+    assert streamed == tokenizer.decode([606, 542, 200]) + returned["text"]
+    tau, tokens, rounds = (float(stats_line.split()[1]), int(stats_line.split("|")[1].split()[0]),
+                           int(stats_line.split("|")[1].split()[3]))
+    assert tokens == 10 == len(returned["token_ids"])
+    assert tau == pytest.approx(tokens / rounds, abs=0.005)
+    assert "acceptance length" in stats_line
+
+
 def test_greedy_methods_agree_through_the_cli(capsys):
     ids = []
     for method in ("ar", "ddtree"):
