@@ -78,7 +78,7 @@ GENERATE_RULES = (
     ("seed", lambda v: 0 <= v < SEED_LIMIT, f"in [0, {SEED_LIMIT})"),
     ("tp", lambda v: v >= 1, ">= 1"),
     ("dp", lambda v: v >= 1, ">= 1"),
-    ("prompt", lambda v: v is None or v != "", "non-empty text"),
+    ("prompt", lambda v: v != "", "non-empty text"),
 )
 
 
