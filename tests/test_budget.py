@@ -76,6 +76,9 @@ def test_batch_keep_matches_oracle_and_keeps_prefix_closed_trees(case, live_bits
     chosen = top_set(np.asarray(tree.logw), np.asarray(tree.num_nodes), live, b)
     assert chosen == {(r, k) for r in range(batch) for k in range(1, got[r])}
     assert np.all(got[~live] == 1) and got.sum() - batch <= b * live.sum()
+    # The shared total holds at least the draft mass of `b` drafts per live request (the fixed policy).
+    mass = lambda keep: sum(np.exp(np.float64(tree.logw[r, 1:keep[r]])).sum() for r in range(batch) if live[r])  # noqa: E731
+    assert mass(got) >= mass(np.full(batch, b + 1)) * (1 - 1e-6)
     # ... and a prefix of the pop order is a tree: every kept node's parent is kept.
     masked = budget.keep_prefix(tree, jnp.asarray(got))
     assert_same_tree(masked, oracle.keep_prefix(tree, got))
