@@ -46,7 +46,7 @@ def summarise(rows: list[dict], *, seed: int = 0) -> list[dict]:
     Per verified draft (``verified``: drafts per request-round, root excluded): ``expected_per_node`` and
     ``accepted_per_node``. ``tokens_per_round``: tokens per round of a whole ``generate`` call (its
     rounds = its longest request's); ``projected_tokens_per_s``: the emitted tokens over the calls'
-    ``model_ms`` (NaN without a cost table).
+    ``model_ms`` (NaN without a cost table, whose ``model_ms`` is 0).
     """
     groups: dict = {}
     for row in rows:

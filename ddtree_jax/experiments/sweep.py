@@ -12,7 +12,8 @@ Each cell generates ``new_tokens`` tokens for every held-out prompt (no stop tok
 with request id ``i`` and ``jax.random.key(seed)``, so all cells see the same prompts and the same
 coin streams. Each call's decoding is also priced by a cost table (``--cost-table``, default the
 device's; `ddtree_jax.costs`): the ``model_ms`` column, the sum over its rounds of the modelled
-round time at the mean number of drafts its live requests verified (the AR decode step for AR), from
+round time at the mean number of drafts its live requests verified (the AR decode step for AR; 0
+without a table), from
 which `plot.summarise` projects tokens/s on the table's device; the same table is the adaptive
 policy's cost model. The output CSV has one row per cell and prompt; a cell's rows are appended once it
 is finished, and a rerun skips finished cells (resumable). ``<out>.json`` records every run's
@@ -134,7 +135,7 @@ COLUMNS = {
     "date": str,
 }
 # The values of the columns added after the first sweeps, for CSVs written before them.
-ADDED_COLUMNS = {"budget_policy": "fixed", "model_ms": "nan", "cost_table": "device"}
+ADDED_COLUMNS = {"budget_policy": "fixed", "model_ms": "0", "cost_table": "device"}
 
 GRID_FLAGS = ("methods", "budgets", "topk_caps", "temperatures", "top_ps", "top_ks", "draft_temperatures",
               "budget_policies")
@@ -234,11 +235,11 @@ def write_rows(path: Path, rows: list[dict], *, append: bool) -> None:
 
 def model_ms(res, method: str, table: costs.CostTable, context: int) -> float:
     """Modelled decoding time (ms) of one ``generate`` result under ``table``: per round, the round
-    time at the mean number of drafts of its live requests (the decode step for AR); NaN for the flat
-    table or a curve without a decode step."""
+    time at the mean number of drafts of its live requests (the decode step for AR); 0 (not modelled)
+    for the flat table or a curve without a decode step."""
     curve = table.curve(len(res.lengths), context)
     if curve is None or (method == "ar" and curve.decode_ms is None):
-        return float("nan")
+        return 0.0
     if method == "ar":
         return curve.decode_ms * len(res.rounds)
     drafts = [np.mean(r.tree_size[r.accepted >= 0] - 1) for r in res.rounds]
