@@ -32,6 +32,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_generate(sub) -> None:
+    from ddtree_jax import costs
+    from ddtree_jax.budget import POLICIES
+
     p = sub.add_parser("generate", help="generate text with AR, chain or DDTree decoding",
                        description="Generate with AR, DFlash chain or DDTree decoding, streaming the text per round.",
                        formatter_class=HelpFormatter)
@@ -42,6 +45,15 @@ def _add_generate(sub) -> None:
                    help="DDTree, the DFlash chain (the drafter's argmax per slot) or plain autoregressive decoding")
     p.add_argument("--budget", type=int, default=16, help="DDTree node budget (non-root nodes)")
     p.add_argument("--topk-cap", type=int, default=4, help="DDTree per-depth rank cap; 0 = none")
+    p.add_argument("--budget-policy", choices=POLICIES, default="fixed",
+                   help="which tree nodes a DDTree round verifies: fixed = all --budget; adaptive = per request "
+                        "and round the prefix of its tree with the most expected tokens per modelled round time "
+                        "(--budget the most, --cost-table the model); batch = --budget per request in total, "
+                        "given to the most probable prefixes of the whole batch (not with --dp > 1)")
+    p.add_argument("--cost-table",
+                   help="round-time model of --budget-policy adaptive: a JSON written by ddtree bench or a shipped "
+                        f"table ({', '.join(costs.shipped())}) (default: the device's own; none on a CPU: a flat "
+                        "cost, which keeps every node)")
     p.add_argument("--draft-temperature", type=float, default=1.0,
                    help="temperature of the drafter's marginals that the tree is built from (> 0)")
     p.add_argument("--temperature", type=float, default=1.0, help="target sampling temperature; 0 = greedy")
@@ -133,10 +145,19 @@ def _mesh(args, target):
 def cmd_generate(args) -> int:
     """Validate every flag and file, then stream the prompt and its continuation (or print JSON)."""
     import jax
+    import numpy as np
 
     from ddtree_jax.engine import generate
 
+    from ddtree_jax import costs
+
     checks.flags(args, GENERATE_RULES)
+    if args.budget_policy != "fixed" and args.method != "ddtree":
+        raise ValueError(f"--budget-policy {args.budget_policy} needs --method ddtree, got --method {args.method}")
+    if args.cost_table is not None and args.budget_policy != "adaptive":
+        raise ValueError(f"--cost-table is the model of --budget-policy adaptive, got --budget-policy "
+                         f"{args.budget_policy}")
+    cost_table = None if args.cost_table is None else costs.load(args.cost_table)
     target, drafter, tokenizer = _load(args)
     vocab = target.config.vocab_size
     checks.flags(args, [("top_k", lambda v: v <= vocab, f"<= the vocabulary size {vocab} (0 = off)")])
@@ -166,20 +187,25 @@ def cmd_generate(args) -> int:
                    topk_cap=args.topk_cap or None, draft_temperature=args.draft_temperature,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    max_new_tokens=args.max_new_tokens, key=jax.random.key(args.seed), stop_tokens=stop,
-                   on_round=stream, mesh=mesh, attention_impl=args.attention_impl, sampler_impl=args.sampler_impl)
+                   on_round=stream, mesh=mesh, attention_impl=args.attention_impl, sampler_impl=args.sampler_impl,
+                   budget_policy=args.budget_policy, cost_table=cost_table)
     ids = [int(t) for t in res.tokens[0, : res.lengths[0]]]
     stats = res.summary()
-    stats.update(method=args.method, budget=args.budget, topk_cap=args.topk_cap, temperature=args.temperature,
-                 backend=jax.default_backend())
+    stats.update(method=args.method, budget=args.budget, topk_cap=args.topk_cap, budget_policy=args.budget_policy,
+                 temperature=args.temperature, backend=jax.default_backend(),
+                 mean_tree_size=float(np.mean([r.tree_size[r.accepted >= 0].mean() for r in res.rounds])))
     if args.json:
         text = tokenizer.decode(ids) if tokenizer is not None else None
         print(json.dumps({"text": text, "prompt_ids": prompt, "token_ids": ids, "stats": stats}))
     else:
         if tokenizer is None:
             print(" ".join(map(str, ids)))
-        print(f"\n\n[{args.method}] tau {stats['tau']:.2f} (acceptance length {stats['acceptance_length']:.2f}, "
-              f"expected accepted {stats['expected_accepted']:.2f}) | {stats['tokens']} tokens in {stats['rounds']} "
-              f"rounds | {stats['tokens_per_s']:.1f} tokens/s ({stats['backend']})")
+        policy = "" if args.budget_policy == "fixed" else f", {args.budget_policy} budget"
+        print(f"\n\n[{args.method}{policy}] tau {stats['tau']:.2f} (acceptance length "
+              f"{stats['acceptance_length']:.2f}, "
+              f"expected accepted {stats['expected_accepted']:.2f}; {stats['mean_tree_size']:.1f} nodes a tree) | "
+              f"{stats['tokens']} tokens in {stats['rounds']} rounds | {stats['tokens_per_s']:.1f} tokens/s "
+              f"({stats['backend']})")
     return 0
 
 

@@ -5,8 +5,9 @@ donated decode state (`_round`); `generate` runs rounds in chunks inside one dev
 (`decode_rounds`), reading the state back once per chunk:
 
 1. drafter forward on ``[root, MASK x L]`` plus the last round's accepted target features,
-2. ``build_tree`` (DDTree: budget B, optional top-k cap; chain: ``topk_cap = 1``, budget L),
-3. target forward over the tree with the ancestor mask,
+2. ``build_tree`` (DDTree: budget B, optional top-k cap; chain: ``topk_cap = 1``, budget L), then the
+   budget policy's choice of the nodes to verify (`ddtree_jax.budget`; ``"fixed"`` keeps them all),
+3. target forward over the tree with the ancestor mask (``"batch"``: over the kept nodes packed),
 4. ``verify_from_coins`` (the same walk for greedy and sampled requests),
 5. commit of the root and the accepted path in the target cache; their target features become the
    drafter's next context; the bonus token becomes the next root.
@@ -32,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ddtree_jax import checks, kernels, sharding
+from ddtree_jax import budget as policies
+from ddtree_jax import checks, costs, kernels, sharding
 from ddtree_jax.models.cache import KVCache, commit, init_cache
 from ddtree_jax.models.dflash import Drafter, append_context, check_pair, drafter_forward
-from ddtree_jax.models.qwen3 import Target, target_forward
+from ddtree_jax.models.qwen3 import Target, target_forward, target_forward_packed
 from ddtree_jax.sampling import batch_probs, coins_from_keys, request_keys
 from ddtree_jax.tree import DraftTree, build_tree_unchecked, tree_attention_mask, tree_positions
 from ddtree_jax.verify import expected_acceptance
@@ -55,10 +57,18 @@ class RoundSpec:
     attention_impl: str = "xla"  # one of kernels.IMPLS
     sampler_impl: str = "xla"  # one of kernels.IMPLS
     matmul_impl: str = "xla"  # one of kernels.IMPLS
+    budget_policy: str = "fixed"  # one of budget.POLICIES
+    cost_ms: tuple[float, ...] | None = None  # "adaptive": modelled round ms with 0 .. budget drafts
+
+    @property
+    def tree_budget(self) -> int:
+        """Drafts each request's tree is built with (``"batch"``: room for more than ``budget``)."""
+        return self.budget * (policies.BATCH_SPREAD if self.budget_policy == "batch" else 1)
 
     @property
     def num_nodes(self) -> int:
-        return 1 if self.method == "ar" else self.budget + 1
+        """Tree slots per request (``N``)."""
+        return 1 if self.method == "ar" else self.tree_budget + 1
 
 
 @functools.partial(
@@ -192,8 +202,29 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
         drafter, target, state.drafter_cache, state.ctx_feats, ctx_positions, state.ctx_count,
         state.root, lengths, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
     draft_logits = sharding.gather_vocab(draft_logits, mesh)
-    tree = build_tree_unchecked(draft_logits, state.root, draft_temperature, budget=spec.budget, topk_cap=spec.topk_cap)
+    tree = build_tree_unchecked(draft_logits, state.root, draft_temperature, budget=spec.tree_budget,
+                                topk_cap=spec.topk_cap)
+    if spec.budget_policy == "adaptive":
+        tree = policies.keep_prefix(tree, policies.adaptive_keep(tree.logw, tree.num_nodes, jnp.asarray(spec.cost_ms)))
+    elif spec.budget_policy == "batch":
+        tree = policies.keep_prefix(tree, policies.batch_keep(tree.logw, tree.num_nodes, ~state.done, spec.budget))
     return tree, drafter_cache
+
+
+def _verify_forward(target, tree: DraftTree, cache: KVCache, spec: RoundSpec, mesh):
+    """Step 3: the target over every request's tree; ``"batch"`` packs the kept nodes into
+    ``B x (budget + 1)`` rows for the forward and unpacks its logits and taps to the tree layout."""
+    positions, mask = tree_positions(tree, cache.lengths), tree_attention_mask(tree)
+    kw = dict(tap_layers=spec.tap_layers, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
+    if spec.budget_policy != "batch":
+        return target_forward(target, tree.tokens, positions, mask, cache, **kw)
+    batch, slots = tree.tokens.shape
+    row_M, slot_M, packed_BN = policies.packing(tree.num_nodes, slots, batch * (spec.budget + 1))
+    pack = lambda x_BN: x_BN[jnp.minimum(row_M, batch - 1), slot_M][None]  # noqa: E731
+    logits, taps, cache = target_forward_packed(target, pack(tree.tokens), pack(positions), row_M, slot_M, mask,
+                                                cache, **kw)
+    unpack = lambda x_1MX: x_1MX[0, jnp.maximum(packed_BN, 0)]  # noqa: E731  (nodes not kept: never read)
+    return unpack(logits), unpack(taps), cache
 
 
 def _append_tokens(state, emitted_BD, count_B, stop_tokens, max_new_tokens):
@@ -226,10 +257,7 @@ def _round(target: Target, drafter: Drafter | None, state: DecodeState, sampling
         tree, drafter_cache = _trivial_tree(state.root), state.drafter_cache
     else:
         tree, drafter_cache = _draft_tree(target, drafter, state, spec, draft_temperature, mesh)
-    lengths = state.target_cache.lengths
-    logits, taps, target_cache = target_forward(
-        target, tree.tokens, tree_positions(tree, lengths), tree_attention_mask(tree), state.target_cache,
-        tap_layers=spec.tap_layers, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
+    logits, taps, target_cache = _verify_forward(target, tree, state.target_cache, spec, mesh)
     logits = sharding.gather_vocab(logits, mesh)
     keys = request_keys(key, request_ids, state.round)
     coins, final_coins = coins_from_keys(keys, spec.num_nodes)
@@ -357,12 +385,17 @@ def _resolve_impls(attention_impl: str, sampler_impl: str, matmul_impl: str) -> 
 
 
 def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int, topk_cap: int | None,
-              attention_impl: str = "xla", sampler_impl: str = "xla", matmul_impl: str = "xla") -> RoundSpec:
-    """Validate the method, tree settings and kernel switches against the models; return the round's
-    static spec."""
+              attention_impl: str = "xla", sampler_impl: str = "xla", matmul_impl: str = "xla",
+              budget_policy: str = "fixed", cost_ms: Sequence[float] | None = None) -> RoundSpec:
+    """Validate the method, tree settings, kernel switches and budget policy against the models; return
+    the round's static spec. ``cost_ms`` (``"adaptive"`` only): ``budget + 1`` modelled round times
+    with ``0 .. budget`` drafts per request (default flat: every node is kept)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     impls = _resolve_impls(attention_impl, sampler_impl, matmul_impl)
+    policies.check_policy(budget_policy)
+    if budget_policy != "fixed" and method != "ddtree":
+        raise ValueError(f"budget_policy={budget_policy!r} needs method 'ddtree', got method {method!r}")
     if method == "ar":
         return RoundSpec("ar", 1, None, 0, (), *impls)
     if drafter is None:
@@ -370,12 +403,19 @@ def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int,
     check_pair(drafter, target)
     dc = drafter.config
     depth = dc.block_size - 1
-    budget = checks.positive_int("budget", budget, maximum=32768)
+    spread = policies.BATCH_SPREAD if budget_policy == "batch" else 1
+    budget = checks.positive_int("budget", budget, maximum=32768 // spread)
     if method == "chain":
         budget, topk_cap = depth, 1
     elif topk_cap is not None:
         topk_cap = checks.positive_int("topk_cap", topk_cap)
-    return RoundSpec(method, budget, topk_cap, depth, tuple(dc.target_layer_ids), *impls)
+    if budget_policy == "adaptive":
+        cost_ms = (1.0,) * (budget + 1) if cost_ms is None else tuple(float(c) for c in cost_ms)
+        if len(cost_ms) != budget + 1 or not all(np.isfinite(c) and c > 0 for c in cost_ms):
+            raise ValueError(f"cost_ms must be {budget + 1} finite times > 0 (0 .. budget drafts), got {cost_ms}")
+    else:
+        cost_ms = None
+    return RoundSpec(method, budget, topk_cap, depth, tuple(dc.target_layer_ids), *impls, budget_policy, cost_ms)
 
 
 def generate(
@@ -402,6 +442,8 @@ def generate(
     on_round: Callable[[np.ndarray, np.ndarray, RoundStats], None] | None = None,
     mesh: Mesh | None = None,
     chunk_rounds: int = 16,
+    budget_policy: str = "fixed",
+    cost_table: costs.CostTable | str | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_new_tokens`` per request with AR, DFlash chain or DDTree decoding.
 
@@ -434,18 +476,31 @@ def generate(
         ``"tp"``, requests are split over ``"dp"`` (see `ddtree_jax.sharding`); tokens do not depend on it.
       chunk_rounds: rounds per device loop (`decode_rounds`); the host reads the state once per chunk.
         Tokens do not depend on it.
+      budget_policy: which nodes of each tree a round verifies (`ddtree_jax.budget`; DDTree only):
+        ``"fixed"`` all ``budget`` of them; ``"adaptive"`` per request and round the prefix of its tree
+        with the most expected tokens per modelled unit of round time (``budget`` is the most); ``"batch"``
+        ``budget`` per live request in total, to the most probable prefixes over the whole batch (a
+        request may take up to ``budget.BATCH_SPREAD x budget``; the verify forward keeps its
+        ``batch x (budget + 1)`` rows; not with a mesh whose ``"dp"`` axis is larger than 1).
+      cost_table: the ``"adaptive"`` cost model (`ddtree_jax.costs`): a `costs.CostTable`, a JSON path or
+        the name of a shipped table; default the local device's (none: flat, which keeps every node).
+        Its curve for the batch size and the final context (longest prompt + ``max_new_tokens``).
 
     Returns:
       ``GenerateResult`` (tokens ``[batch, max_new_tokens]``, ``-1`` padded; lengths; statistics).
     """
     checks.prompt_batch("prompt_ids", prompt_ids)
     checks.random_key("key", key)
-    spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl, matmul_impl)
+    spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl, matmul_impl,
+                     budget_policy)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
     chunk_rounds = checks.positive_int("chunk_rounds", chunk_rounds, maximum=4096)
     checks.draft_temperature(draft_temperature)
     prompt_BT, prompt_len_B = _pad_prompts(prompt_ids, target.config.vocab_size)
     batch = prompt_BT.shape[0]
+    if spec.budget_policy == "adaptive":
+        cost_ms = costs.resolve(cost_table).round_costs(batch, prompt_BT.shape[1] + max_new_tokens, spec.budget)
+        spec = dataclasses.replace(spec, cost_ms=cost_ms)
     t, k, p = checks.sampling_params(temperature, top_k, top_p, batch)
     request_ids = jnp.arange(batch, dtype=jnp.int32) if request_ids is None else jnp.asarray(request_ids, jnp.int32)
     checks.same_leading("request_ids", request_ids, (batch,))
@@ -467,6 +522,9 @@ def generate(
     prompt_BT, prompt_len_B = jnp.asarray(prompt_BT), jnp.asarray(prompt_len_B)
     if mesh is not None:
         sharding.check_mesh(mesh, target.config, batch)
+        if spec.budget_policy == "batch" and mesh.shape["dp"] > 1:
+            raise ValueError(f"budget_policy='batch' packs the whole batch's nodes into one block of rows and "
+                             f"does not run with the requests split over dp={mesh.shape['dp']} devices")
         target = sharding.shard_target(target, mesh)
         drafter = None if drafter is None else sharding.shard_drafter(drafter, mesh)
         prompt_BT, prompt_len_B, t, k, p, request_ids = sharding.shard_batch(

@@ -184,6 +184,20 @@ def attention_errors() -> list[float]:
     return errors
 
 
+def batch_policy(mesh=None) -> dict:
+    """Tokens of the MoE model "e" under the batch-global budget policy (packed verify rows) with the
+    target over ``mesh`` (``None``: unsharded), and the error of the same run over a ``dp = 2`` mesh."""
+    target, drafter = tiny_models("e")
+    kw = dict(SAMPLING, **GENERATE, key=jax.random.key(KEY_SEED), budget_policy="batch")
+    out = {"tokens": engine.generate(target, drafter, PROMPTS, **kw, mesh=mesh).tokens.tolist()}
+    if mesh is not None:
+        try:
+            engine.generate(target, drafter, PROMPTS, **kw, mesh=sharding.make_mesh(2, 2))
+        except ValueError as err:
+            out["dp_error"] = str(err)
+    return out
+
+
 def main(path: str, cases: list[str]) -> None:
     if jax.device_count() != 8:
         raise SystemExit(f"sharded_check needs 8 devices (XLA_FLAGS), got {jax.device_count()}")
@@ -191,6 +205,9 @@ def main(path: str, cases: list[str]) -> None:
     for case in cases:
         if case == "attention":
             results[case] = attention_errors()
+            continue
+        if case == "batch_policy":
+            results[case] = batch_policy(sharding.make_mesh(4, 1))
             continue
         model, tp, dp, *impl = case.split(":")
         results[case] = run_case(model, sharding.make_mesh(int(tp), int(dp)), *impl)

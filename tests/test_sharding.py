@@ -31,7 +31,7 @@ from ddtree_jax.models import Qwen3Config, drafter_forward, init_cache, target_f
 KERNEL_CASES = ("c:2:1:interpret", "d:4:1:interpret", "c:2:2:interpret")  # d:4:1: 2 KV heads over tp = 4
 CASES = ("a:1:1", "a:2:1", "a:4:1", "a:8:1", "b:4:2", "e:8:1", "e:4:2", *KERNEL_CASES)
 WORKERS = (("a:1:1", "a:4:1", "b:4:2", "d:4:1:interpret", "e:8:1", "attention"),
-           ("a:2:1", "a:8:1", "c:2:1:interpret", "c:2:2:interpret", "e:4:2"))
+           ("a:2:1", "a:8:1", "c:2:1:interpret", "c:2:2:interpret", "e:4:2", "batch_policy"))
 ROW_SPLIT = {"wqkv", "wo", "w_gate_up", "w_down"}
 EXPERT_SPLIT = {"experts_gate_up", "experts_down"}
 
@@ -87,6 +87,14 @@ def runs(background):
 def test_all_cases_ran(runs):
     assert set(runs[1]) >= {*CASES, "attention"}
     assert all(r["tau"] > 1.5 for r in runs[0].values())  # trees are accepted: commits of several tokens
+
+
+def test_batch_budget_policy_under_tensor_parallelism(runs):
+    """The packed verify rows of budget_policy="batch" (a Qwen3-MoE target, experts over tp = 4) give the
+    unsharded tokens; a dp > 1 mesh is refused before anything runs."""
+    sharded = runs[1]["batch_policy"]
+    assert sharded["tokens"] == sharded_check.batch_policy()["tokens"]
+    assert "does not run with the requests split over dp=2" in sharded["dp_error"]
 
 
 @pytest.mark.parametrize("case", CASES)

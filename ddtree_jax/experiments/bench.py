@@ -25,6 +25,9 @@ even take longer than the whole round; read the parts as each step's cost in iso
 The HBM roofline (the weights each step must stream once, at ``--hbm-tbps``) is reported on
 accelerators only; on a CPU it is n/a.
 
+Part 1's rounds also become a cost table for the device (`ddtree_jax.costs`, the model of the
+adaptive budget policy): ``<out stem>_costs.json`` next to the JSON (`write_cost_table`).
+
 ``--shapes`` also sets the unset knobs: the model shapes run the full grid (``FULL``), ``--shapes
 tiny`` a small one (``TINY``: batch 1, one short context, one small budget, a few repeats) that
 ends in seconds on a CPU.
@@ -46,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import checks, engine, kernels, sharding
+from ddtree_jax import checks, costs, engine, kernels, sharding
 from ddtree_jax.experiments import profiling
 from ddtree_jax.models import (
     DFlashConfig, KVCache, Qwen3Config, Qwen3MoeConfig, commit, drafter_forward, init_cache, init_drafter, init_target,
@@ -413,6 +416,33 @@ def bench_embedded(args, emit) -> None:
                       f"{res.tokens_per_s:,.0f} tokens/s, {res.tokens_per_s / base:.2f}x AR", flush=True)
 
 
+def cost_table(result: dict) -> costs.CostTable:
+    """The cost table of part 1's rows in ``result``: per (batch, context), the round ms per budget
+    (the last row of a budget measured twice) and the decode step."""
+    groups: dict = {}
+    for row in result["shapes"]:
+        groups.setdefault((row["batch"], row["context"]), {})[row["budget"]] = row
+    meta = result["meta"]
+    cap = meta["settings"].get("topk_cap") or "none"
+    curves = tuple(costs.CostCurve(batch, context, tuple(sorted(by_budget)),
+                                   tuple(by_budget[b]["round_ms"] for b in sorted(by_budget)),
+                                   decode_ms=next(iter(by_budget.values()))["decode_ms"])
+                   for (batch, context), by_budget in sorted(groups.items()))
+    source = (f"ddtree bench, {meta['date']}, shapes {meta['settings'].get('shapes')}, cap {cap}, T = "
+              f"{meta['settings'].get('temperature')}: {meta['command']}")
+    return costs.CostTable(meta["device"], curves, source)
+
+
+def write_cost_table(result: dict, out: Path) -> Path | None:
+    """`cost_table` of ``result`` as ``<out stem>_costs.json`` next to ``out`` (None: no part 1 rows)."""
+    if not result["shapes"]:
+        return None
+    path = out.with_name(f"{out.stem}_costs.json")
+    path.write_text(json.dumps(cost_table(result).to_json(), indent=1) + "\n")
+    print(f"wrote {path} (the device's round-time model, ddtree_jax.costs)")
+    return path
+
+
 def _ints(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
@@ -484,6 +514,7 @@ def run_from_args(args) -> int:
 
     if not args.skip_shapes:
         bench_shapes(args, emitter("shapes"))
+        write_cost_table(result, args.out)
     if args.generate:
         bench_generate(args, emitter("generate"))
     if args.embedded:

@@ -10,9 +10,13 @@
 - ``NAME_truncation.png``: tau vs top-p (top-k off) and vs top-k (top-p off) at T = 1;
 - ``NAME_draft_temperature.png``: tau vs draft temperature at T = 1, and draft temperature 1 vs
   tempered to the target temperature (T < 1);
+- ``NAME_budget_policies.png``: per target temperature, expected accepted drafts per verified draft
+  and the projected tokens/s (from the ``model_ms`` column) vs the budget, a line per budget policy;
 - ``NAME_tempering.csv``: for every DDTree cell at a temperature 0 < T != 1 (no truncation) that
   also ran with draft temperature T, tau(draft temperature 1) - tau(draft temperature T) with a
   paired 95% bootstrap interval (same prompts and coins in both cells).
+
+Every figure but ``_budget_policies`` shows the fixed budget policy only.
 
 ``ddtree sweep`` calls `plot_csv` at the end of a run (``--no-plot`` to skip);
 ``python experiments/plot.py CSV...`` redraws the figures of existing CSVs.
@@ -30,7 +34,7 @@ import numpy as np
 from ddtree_jax.experiments.stats import bootstrap_ci, paired_bootstrap_diff
 from ddtree_jax.experiments.sweep import CELL_FIELDS, cell_of, read_rows
 
-BASE = dict(top_p=1.0, top_k=0, draft_temperature=1.0)
+BASE = dict(top_p=1.0, top_k=0, draft_temperature=1.0, budget_policy="fixed")
 
 
 def summarise(rows: list[dict], *, seed: int = 0) -> list[dict]:
@@ -39,6 +43,10 @@ def summarise(rows: list[dict], *, seed: int = 0) -> list[dict]:
     ``tau`` = emitted tokens / rounds; ``accepted`` = tau - 1, the measured accepted drafts per round;
     ``expected`` = the exact expected accepted drafts per round; each with ``_lo``/``_hi``, the 95%
     bootstrap interval resampling prompts. ``tokens_per_s`` and ``mean_tree_size`` are per cell.
+    Per verified draft (``verified``: drafts per request-round, root excluded): ``expected_per_node`` and
+    ``accepted_per_node``. ``tokens_per_round``: tokens per round of a whole ``generate`` call (its
+    rounds = its longest request's); ``projected_tokens_per_s``: the emitted tokens over the calls'
+    ``model_ms`` (NaN without a cost table, whose ``model_ms`` is 0).
     """
     groups: dict = {}
     for row in rows:
@@ -51,12 +59,23 @@ def summarise(rows: list[dict], *, seed: int = 0) -> list[dict]:
         tau_lo, tau_hi = bootstrap_ci(emitted, rounds, seed=seed)
         exp_lo, exp_hi = bootstrap_ci(expected, rounds, seed=seed)
         tau = emitted.sum() / rounds.sum()
+        verified = sum((r["mean_tree_size"] - 1) * r["rounds"] for r in cell_rows)
+        calls: dict = {}
+        for r in cell_rows:  # prompts of one generate call share its rounds and its model_ms
+            call = calls.setdefault(r["prompt"] // r["batch"], dict(rounds=0, model_ms=r["model_ms"]))
+            call["rounds"] = max(call["rounds"], r["rounds"])
+        model_s = sum(c["model_ms"] for c in calls.values()) / 1e3
         out.append(dict(
             {f: getattr(cell, f) for f in CELL_FIELDS}, prompts=len(cell_rows),
             tau=tau, tau_lo=tau_lo, tau_hi=tau_hi,
             accepted=tau - 1, accepted_lo=tau_lo - 1, accepted_hi=tau_hi - 1,
             expected=expected.sum() / rounds.sum(), expected_lo=exp_lo, expected_hi=exp_hi,
             mean_tree_size=float(np.mean([r["mean_tree_size"] for r in cell_rows])),
+            verified=verified / rounds.sum(),
+            expected_per_node=expected.sum() / verified if verified else float("nan"),
+            accepted_per_node=(emitted.sum() - rounds.sum()) / verified if verified else float("nan"),
+            tokens_per_round=emitted.sum() / sum(c["rounds"] for c in calls.values()),
+            projected_tokens_per_s=emitted.sum() / model_s if model_s > 0 else float("nan"),
             tokens_per_s=cell_rows[0]["tokens_per_s"], device=cell_rows[0]["device"]))
     return out
 
@@ -123,7 +142,7 @@ def plot_measured_vs_expected(summary: list[dict]):
     temps = sorted({c["temperature"] for c in summary})
     for i, t in enumerate(temps):
         for method, marker in (("ddtree", "o"), ("chain", "s")):
-            cells = select(summary, temperature=t, method=method)
+            cells = select(summary, temperature=t, method=method, budget_policy="fixed")
             if not cells:
                 continue
             _errorbar(ax, [c["expected"] for c in cells], cells, stat="accepted", color=f"C{i}", linestyle="none",
@@ -143,7 +162,8 @@ def plot_truncation(summary: list[dict]):
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
     if t is None:
         return fig
-    cells = [c for c in select(summary, temperature=t, draft_temperature=1.0) if c["method"] != "ar"]
+    cells = [c for c in select(summary, temperature=t, draft_temperature=1.0, budget_policy="fixed")
+             if c["method"] != "ar"]
     panels = (("top_p", dict(top_k=0), lambda v: -v, "top-p (top-k off)", lambda v: "off" if v == 1 else f"{v:g}"),
               ("top_k", dict(top_p=1.0), lambda v: -v if v else -np.inf, "top-k (top-p off)",
                lambda v: f"{v}" if v else "off"))
@@ -170,7 +190,7 @@ def plot_draft_temperature(summary: list[dict]):
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     if t is None:
         return fig
-    trees = select(summary, method="ddtree", top_p=1.0, top_k=0)
+    trees = select(summary, method="ddtree", top_p=1.0, top_k=0, budget_policy="fixed")
     at_t = select(trees, temperature=t)
     for key in sorted({(c["budget"], c["topk_cap"]) for c in at_t}):
         line = sorted(select(at_t, budget=key[0], topk_cap=key[1]), key=lambda c: c["draft_temperature"])
@@ -194,11 +214,41 @@ def plot_draft_temperature(summary: list[dict]):
     return fig
 
 
+def plot_budget_policies(summary: list[dict]):
+    """Top: expected accepted drafts per verified draft vs the budget; bottom: projected tokens/s (the
+    cost table's device) vs the budget, with AR's as a line; a column per temperature, a line per
+    budget policy (no truncation, draft temperature 1, no cap)."""
+    temps = sorted({c["temperature"] for c in summary})
+    fig, axes = plt.subplots(2, len(temps), figsize=(4.5 * len(temps), 7), squeeze=False)
+    for col, t in enumerate(temps):
+        base = select(summary, temperature=t, top_p=1.0, top_k=0, draft_temperature=1.0)
+        trees = select(base, method="ddtree", topk_cap=0)
+        for policy in sorted({c["budget_policy"] for c in trees}):
+            line = sorted(select(trees, budget_policy=policy), key=lambda c: c["budget"])
+            xs = [c["budget"] for c in line]
+            axes[0, col].plot(xs, [c["expected_per_node"] for c in line], marker="o", label=policy)
+            axes[1, col].plot(xs, [c["projected_tokens_per_s"] for c in line], marker="o", label=policy)
+        for cell in select(base, method="ar"):
+            axes[1, col].axhline(cell["projected_tokens_per_s"], color="gray", linestyle=":", label="AR")
+        for row, ylabel in enumerate(("expected accepted per verified draft", "projected tokens/s")):
+            ax = axes[row, col]
+            if trees:
+                _log_ticks(ax, sorted({c["budget"] for c in trees}), 2)
+            ax.set(title=f"T = {t:g}", xlabel="node budget B (adaptive: the most; batch: per request)",
+                   ylabel=ylabel if col == 0 else None)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = {
     "tau_vs_budget": plot_tau_vs_budget,
     "measured_vs_expected": plot_measured_vs_expected,
     "truncation": plot_truncation,
     "draft_temperature": plot_draft_temperature,
+    "budget_policies": plot_budget_policies,
 }
 
 
@@ -234,7 +284,7 @@ def write_table(table: list[dict], path: Path) -> None:
 
 
 def plot_csv(csv_path: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """``NAME_cells.csv``, ``NAME_tempering.csv`` and the four ``NAME_*.png`` figures of the sweep CSV
+    """``NAME_cells.csv``, ``NAME_tempering.csv`` and the five ``NAME_*.png`` figures of the sweep CSV
     ``csv_path``."""
     csv_path = Path(csv_path)
     rows = read_rows(csv_path)

@@ -1,15 +1,21 @@
 """Parameter sweeps: acceptance and speed of AR, DFlash chain and DDTree over a grid of settings.
 
 A *cell* is one setting of every knob: method, node budget, top-k cap, target temperature, top-p,
-top-k and draft temperature. The grid is the product of the knob lists, canonicalised so that knobs
-a cell ignores take their neutral value and duplicates vanish: AR has no tree (budget 0, cap 0) and
-no drafter (draft temperature 1); the chain is the drafter's argmax per slot (budget L, cap 1,
-draft temperature 1); greedy cells (temperature 0) have top-p 1 and top-k 0; a cap of at least the
-budget is no cap (0). Top-p and top-k vary one at a time (the other off) unless ``cross_truncation``.
+top-k, draft temperature and budget policy (`ddtree_jax.budget`). The grid is the product of the
+knob lists, canonicalised so that knobs a cell ignores take their neutral value and duplicates
+vanish: AR has no tree (budget 0, cap 0) and no drafter (draft temperature 1); the chain is the
+drafter's argmax per slot (budget L, cap 1, draft temperature 1); both have the fixed policy; greedy
+cells (temperature 0) have top-p 1 and top-k 0; a cap of at least the budget is no cap (0). Top-p
+and top-k vary one at a time (the other off) unless ``cross_truncation``.
 
 Each cell generates ``new_tokens`` tokens for every held-out prompt (no stop token), prompt ``i``
 with request id ``i`` and ``jax.random.key(seed)``, so all cells see the same prompts and the same
-coin streams. The output CSV has one row per cell and prompt; a cell's rows are appended once it
+coin streams. Each call's decoding is also priced by a cost table (``--cost-table``, default the
+device's; `ddtree_jax.costs`): the ``model_ms`` column, the sum over its rounds of the modelled
+round time at the mean number of drafts its live requests verified (the AR decode step for AR; 0
+without a table), from
+which `plot.summarise` projects tokens/s on the table's device; the same table is the adaptive
+policy's cost model. The output CSV has one row per cell and prompt; a cell's rows are appended once it
 is finished, and a rerun skips finished cells (resumable). ``<out>.json`` records every run's
 command, date, device and settings. The default output is ``ddtree-sweep/sweep.csv`` (``--quick``:
 ``ddtree-sweep/sweep_quick.csv``) under the working directory, and the run ends with the table and
@@ -35,7 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from ddtree_jax import costs
 from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR, TOKENIZER_PATH
+from ddtree_jax.budget import POLICIES
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.engine import METHODS, generate
 from ddtree_jax.experiments import corpus
@@ -54,6 +62,7 @@ class Cell:
     top_p: float
     top_k: int
     draft_temperature: float
+    budget_policy: str = "fixed"
 
 
 CELL_FIELDS = tuple(f.name for f in dataclasses.fields(Cell))
@@ -71,6 +80,7 @@ class Grid:
     top_ks: tuple[int, ...]
     draft_temperatures: tuple[float, ...]
     cross_truncation: bool = False
+    budget_policies: tuple[str, ...] = ("fixed",)
 
     def __post_init__(self):
         _check_values("methods", self.methods, lambda m: m in METHODS, f"one of {METHODS}")
@@ -81,13 +91,15 @@ class Grid:
         _check_values("top_ks", self.top_ks, lambda k: k >= 0, ">= 0 (0 = off)")
         _check_values("draft_temperatures", self.draft_temperatures, lambda t: np.isfinite(t) and t > 0,
                       "finite and > 0")
+        _check_values("budget_policies", self.budget_policies, lambda p: p in POLICIES, f"one of {POLICIES}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What every cell shares. All but ``batch`` must match to resume an existing CSV.
 
-    ``target`` and ``drafter`` are HF-format directories, or ``"embedded"`` for the packaged pair.
+    ``target`` and ``drafter`` are HF-format directories, or ``"embedded"`` for the packaged pair;
+    ``cost_table`` a cost-table JSON or shipped name, or ``"device"`` for the device's (`costs.resolve`).
     """
 
     target: str
@@ -99,6 +111,7 @@ class Settings:
     prompt_seed: int
     seed: int
     batch: int
+    cost_table: str = "device"
 
     def __post_init__(self):
         for name in ("prompts", "prompt_tokens", "new_tokens", "batch"):
@@ -108,26 +121,31 @@ class Settings:
 
 
 EMBEDDED = "embedded"
-RESUME_FIELDS = ("target", "drafter", "dtype", "prompts", "prompt_tokens", "new_tokens", "prompt_seed", "seed")
+RESUME_FIELDS = ("target", "drafter", "dtype", "prompts", "prompt_tokens", "new_tokens", "prompt_seed", "seed",
+                 "cost_table")
 
 # Column -> parser; the CSV holds exactly these columns in this order.
 COLUMNS = {
     "method": str, "budget": int, "topk_cap": int, "temperature": float, "top_p": float, "top_k": int,
-    "draft_temperature": float,
+    "draft_temperature": float, "budget_policy": str,
     "prompt": int, "emitted": int, "rounds": int, "tau": float, "expected_accepted": float,
-    "mean_tree_size": float, "tokens_per_s": float, "cell_seconds": float,
+    "mean_tree_size": float, "model_ms": float, "tokens_per_s": float, "cell_seconds": float,
     "prompts": int, "prompt_tokens": int, "new_tokens": int, "prompt_seed": int, "seed": int, "batch": int,
-    "dtype": str, "target": str, "drafter": str, "device": str, "backend": str, "jax": str, "date": str,
+    "cost_table": str, "dtype": str, "target": str, "drafter": str, "device": str, "backend": str, "jax": str,
+    "date": str,
 }
+# The values of the columns added after the first sweeps, for CSVs written before them.
+ADDED_COLUMNS = {"budget_policy": "fixed", "model_ms": "0", "cost_table": "device"}
 
-GRID_FLAGS = ("methods", "budgets", "topk_caps", "temperatures", "top_ps", "top_ks", "draft_temperatures")
+GRID_FLAGS = ("methods", "budgets", "topk_caps", "temperatures", "top_ps", "top_ks", "draft_temperatures",
+              "budget_policies")
 QUICK = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 16, 64), topk_caps=(0,), temperatures=(0.0, 0.5, 1.0),
-             top_ps=(1.0, 0.8), top_ks=(0, 8), draft_temperatures=(0.5, 1.0, 2.0), prompts=6, prompt_tokens=48,
-             new_tokens=24, out="ddtree-sweep/sweep_quick.csv")
+             top_ps=(1.0, 0.8), top_ks=(0, 8), draft_temperatures=(0.5, 1.0, 2.0), budget_policies=("fixed",),
+             prompts=6, prompt_tokens=48, new_tokens=24, out="ddtree-sweep/sweep_quick.csv")
 FULL = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 8, 16, 32, 64, 128, 256), topk_caps=(0, 8),
             temperatures=(0.0, 0.6, 1.0), top_ps=(1.0, 0.95, 0.8), top_ks=(0, 20, 5),
-            draft_temperatures=(0.4, 0.6, 1.0, 1.5), prompts=64, prompt_tokens=64, new_tokens=128,
-            out="ddtree-sweep/sweep.csv")
+            draft_temperatures=(0.4, 0.6, 1.0, 1.5), budget_policies=("fixed",), prompts=64, prompt_tokens=64,
+            new_tokens=128, out="ddtree-sweep/sweep.csv")
 
 
 def _check_values(name, values, ok, rule) -> None:
@@ -143,9 +161,9 @@ def canonical(cell: Cell, depth: int) -> Cell:
     if cell.temperature == 0:
         cell = dataclasses.replace(cell, top_p=1.0, top_k=0)
     if cell.method == "ar":
-        return dataclasses.replace(cell, budget=0, topk_cap=0, draft_temperature=1.0)
+        return dataclasses.replace(cell, budget=0, topk_cap=0, draft_temperature=1.0, budget_policy="fixed")
     if cell.method == "chain":
-        return dataclasses.replace(cell, budget=depth, topk_cap=1, draft_temperature=1.0)
+        return dataclasses.replace(cell, budget=depth, topk_cap=1, draft_temperature=1.0, budget_policy="fixed")
     return dataclasses.replace(cell, topk_cap=0) if cell.topk_cap >= cell.budget else cell
 
 
@@ -159,24 +177,28 @@ def truncations(grid: Grid) -> list[tuple[float, int]]:
 def grid_cells(grid: Grid, depth: int) -> list[Cell]:
     """The distinct canonical cells of ``grid``, ordered so that cells sharing a compiled round are adjacent."""
     cells = {
-        canonical(Cell(m, b, c, float(t), float(p), int(k), float(d)), depth)
-        for m, b, c, t, (p, k), d in itertools.product(grid.methods, grid.budgets, grid.topk_caps,
-                                                       grid.temperatures, truncations(grid),
-                                                       grid.draft_temperatures)
+        canonical(Cell(m, b, c, float(t), float(p), int(k), float(d), policy), depth)
+        for m, b, c, t, (p, k), d, policy in itertools.product(grid.methods, grid.budgets, grid.topk_caps,
+                                                               grid.temperatures, truncations(grid),
+                                                               grid.draft_temperatures, grid.budget_policies)
     }
-    return sorted(cells, key=lambda c: (METHODS.index(c.method), c.budget, c.topk_cap, c))
+    return sorted(cells, key=lambda c: (METHODS.index(c.method), c.budget, c.topk_cap, c.budget_policy, c))
 
 
 def cell_of(row: dict) -> Cell:
-    """The cell a CSV row belongs to."""
-    return Cell(*(row[f] for f in CELL_FIELDS))
+    """The cell a CSV row belongs to (the fixed policy for a row without one)."""
+    return Cell(*(row[f] for f in CELL_FIELDS[:-1]), row.get("budget_policy", "fixed"))
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """The well-formed rows of a sweep CSV, values parsed (a truncated last line is dropped)."""
+    """The well-formed rows of a sweep CSV, values parsed (a truncated last line is dropped; columns
+    added later, `ADDED_COLUMNS`, take their default in a CSV written without them)."""
     rows = []
     with open(path, newline="") as f:
-        for raw in csv.DictReader(f):
+        reader = csv.DictReader(f)
+        missing = {k: v for k, v in ADDED_COLUMNS.items() if k not in (reader.fieldnames or ())}
+        for raw in reader:
+            raw.update(missing)
             try:
                 rows.append({name: parse(raw[name]) for name, parse in COLUMNS.items()})
             except (KeyError, TypeError, ValueError):
@@ -211,30 +233,49 @@ def write_rows(path: Path, rows: list[dict], *, append: bool) -> None:
         os.fsync(f.fileno())
 
 
-def run_cell(target, drafter, prompts_PT: np.ndarray, cell: Cell, settings: Settings, device: dict) -> list[dict]:
-    """Generate for every prompt with ``cell``'s settings; one row per prompt (see ``COLUMNS``)."""
-    emitted, rounds, expected, tree_size, seconds, tokens = [], [], [], [], 0.0, 0
+def model_ms(res, method: str, table: costs.CostTable, context: int) -> float:
+    """Modelled decoding time (ms) of one ``generate`` result under ``table``: per round, the round
+    time at the mean number of drafts of its live requests (the decode step for AR); 0 (not modelled)
+    for the flat table or a curve without a decode step."""
+    curve = table.curve(len(res.lengths), context)
+    if curve is None or (method == "ar" and curve.decode_ms is None):
+        return 0.0
+    if method == "ar":
+        return curve.decode_ms * len(res.rounds)
+    drafts = [np.mean(r.tree_size[r.accepted >= 0] - 1) for r in res.rounds]
+    return float(np.sum(curve.at(drafts)))
+
+
+def run_cell(target, drafter, prompts_PT: np.ndarray, cell: Cell, settings: Settings, device: dict,
+             table: costs.CostTable = costs.FLAT) -> list[dict]:
+    """Generate for every prompt with ``cell``'s settings (``table``: the cost model, see the module
+    docstring); one row per prompt (see ``COLUMNS``)."""
+    emitted, rounds, expected, tree_size, modelled, seconds, tokens = [], [], [], [], [], 0.0, 0
     for start in range(0, len(prompts_PT), settings.batch):
         chunk = prompts_PT[start:start + settings.batch]
         res = generate(target, drafter, chunk, method=cell.method, budget=cell.budget,
                        topk_cap=cell.topk_cap or None, draft_temperature=cell.draft_temperature,
                        temperature=cell.temperature, top_k=cell.top_k, top_p=cell.top_p,
                        max_new_tokens=settings.new_tokens, key=jax.random.key(settings.seed),
-                       request_ids=np.arange(start, start + len(chunk)))
+                       request_ids=np.arange(start, start + len(chunk)), budget_policy=cell.budget_policy,
+                       cost_table=table)
         e, r = per_request_tau(res)
         live_RB = np.stack([x.accepted for x in res.rounds]) >= 0
         emitted.append(e)
         rounds.append(r)
         expected.append(np.where(live_RB, np.stack([x.expected for x in res.rounds]), 0).sum(0))
         tree_size.append(np.where(live_RB, np.stack([x.tree_size for x in res.rounds]), 0).sum(0))
+        modelled.append(np.full(len(chunk), model_ms(res, cell.method, table, prompts_PT.shape[1] +
+                                                     settings.new_tokens)))
         seconds += res.seconds
         tokens += int(res.lengths.sum())
-    emitted, rounds = np.concatenate(emitted), np.concatenate(rounds)
+    emitted, rounds, modelled = np.concatenate(emitted), np.concatenate(rounds), np.concatenate(modelled)
     expected, tree_size = np.concatenate(expected), np.concatenate(tree_size)
     shared = dict(dataclasses.asdict(cell), tokens_per_s=tokens / seconds, cell_seconds=seconds,
                   **dataclasses.asdict(settings), **device)
     rows = [dict(shared, prompt=i, emitted=int(emitted[i]), rounds=int(rounds[i]), tau=float(emitted[i] / rounds[i]),
-                 expected_accepted=float(expected[i] / rounds[i]), mean_tree_size=float(tree_size[i] / rounds[i]))
+                 expected_accepted=float(expected[i] / rounds[i]), mean_tree_size=float(tree_size[i] / rounds[i]),
+                 model_ms=float(modelled[i]))
             for i in range(len(prompts_PT))]
     return [{name: row[name] for name in COLUMNS} for row in rows]
 
@@ -261,6 +302,7 @@ def run_sweep(grid: Grid, settings: Settings, out: str | Path, *, tokenizer: str
     if tokenizer is None:
         tokenizer = target_dir / "tokenizer.json"
         tokenizer = tokenizer if tokenizer.is_file() else TOKENIZER_PATH
+    table = costs.resolve(None if settings.cost_table == "device" else settings.cost_table)
     dtype = jnp.dtype(settings.dtype)
     target, drafter = load_target(target_dir, dtype), load_drafter(drafter_dir, dtype)
     cells = grid_cells(grid, depth=drafter.config.block_size - 1)
@@ -280,8 +322,8 @@ def run_sweep(grid: Grid, settings: Settings, out: str | Path, *, tokenizer: str
     bar = tqdm(todo, desc="sweep", unit="cell")
     for cell in bar:
         bar.set_postfix_str(f"{cell.method} B={cell.budget} T={cell.temperature:g} p={cell.top_p:g} "
-                            f"k={cell.top_k} dT={cell.draft_temperature:g}")
-        new = run_cell(target, drafter, prompts_PT, cell, settings, device)
+                            f"k={cell.top_k} dT={cell.draft_temperature:g} {cell.budget_policy}")
+        new = run_cell(target, drafter, prompts_PT, cell, settings, device, table)
         write_rows(out, new, append=True)
         rows += new
     return rows
@@ -313,7 +355,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lists = [("--methods", str, "methods: ar, chain, ddtree"), ("--budgets", int, "DDTree node budgets"),
              ("--topk-caps", int, "DDTree per-depth rank caps (0 = none)"),
              ("--temperatures", float, "target temperatures (0 = greedy)"), ("--top-ps", float, "top-p values"),
-             ("--top-ks", int, "top-k values (0 = off)"), ("--draft-temperatures", float, "draft temperatures")]
+             ("--top-ks", int, "top-k values (0 = off)"), ("--draft-temperatures", float, "draft temperatures"),
+             ("--budget-policies", str, f"DDTree budget policies ({', '.join(POLICIES)}; ddtree_jax/budget.py)")]
     def preset(flag: str) -> str:
         name = flag[2:].replace("-", "_")
         full, quick = (",".join(map(str, v)) if isinstance(v, tuple) else v for v in (FULL[name], QUICK[name]))
@@ -329,6 +372,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the held-out prompt choice")
     parser.add_argument("--seed", type=int, default=0, help="sampling key seed")
     parser.add_argument("--batch", type=int, default=64, help="prompts per generate call")
+    parser.add_argument("--cost-table", default="device",
+                        help="cost model of the adaptive policy and of the model_ms column: a JSON written by "
+                             f"ddtree bench, a shipped table ({', '.join(costs.shipped())}) or 'device' for the "
+                             "device's own (none on a CPU: flat)")
     parser.add_argument("--target", type=Path, default=TARGET_DIR,
                         help="HF-format target directory (default: the embedded one)")
     parser.add_argument("--drafter", type=Path, default=DRAFTER_DIR,
@@ -356,7 +403,7 @@ def run_from_args(args: argparse.Namespace) -> Path:
     settings = Settings(target=_model_name(args.target, TARGET_DIR),
                         drafter=_model_name(args.drafter, DRAFTER_DIR), dtype=dtype, prompts=get("prompts"),
                         prompt_tokens=get("prompt_tokens"), new_tokens=get("new_tokens"),
-                        prompt_seed=args.prompt_seed, seed=args.seed, batch=args.batch)
+                        prompt_seed=args.prompt_seed, seed=args.seed, batch=args.batch, cost_table=args.cost_table)
     out = Path(get("out"))
     rows = run_sweep(grid, settings, out, tokenizer=args.tokenizer, restart=args.restart)
     print(f"{len({cell_of(r) for r in rows})} cells, {len(rows)} rows in {out}")

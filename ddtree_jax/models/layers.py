@@ -129,6 +129,27 @@ def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads:
     return attend
 
 
+def packed_attend(mask_BNM, row_M, slot_M, scale, impl: str = "xla", mesh=None):
+    """`cached_attend` for rows packed across requests (a budget policy's ragged trees, see
+    `ddtree_jax.budget.packing`): inputs ``[1, M, ...]`` whose row ``m`` is node ``slot_M[m]`` of
+    request ``row_M[m]`` (``row = B``: an unused row). Each layer scatters q/k/v into the per-request
+    layout ``[B, N, ...]`` (zeros where no row lands), writes K/V to each request's own scratch slots
+    and attends with the per-request ``mask [B, N, N]``, then gathers the packed rows back: requests
+    never see each other's nodes or caches."""
+    attend = cached_attend(mask_BNM, scale, impl, mesh)
+    batch, num = mask_BNM.shape[:2]
+
+    def unpack(x_1MXD):
+        return jnp.zeros((batch, num, *x_1MXD.shape[2:]), x_1MXD.dtype).at[row_M, slot_M].set(x_1MXD[0],
+                                                                                               mode="drop")
+
+    def run(i, q_1MHD, k_1MKD, v_1MKD, cache: KVCache):
+        out_BNHD, cache = attend(i, unpack(q_1MHD), unpack(k_1MKD), unpack(v_1MKD), cache)
+        return out_BNHD[jnp.minimum(row_M, batch - 1), slot_M][None], cache
+
+    return run
+
+
 def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=(),
                 matmul=matmul_reference, mlp=dense_mlp):
     """Run decoder layers on ``x [B, N, D]``; only the attention and the MLP differ between callers.

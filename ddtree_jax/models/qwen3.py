@@ -201,6 +201,23 @@ def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVC
                            attention_impl, matmul_impl, mesh)
 
 
+@functools.partial(jax.jit, static_argnames=("tap_layers", "attention_impl", "matmul_impl", "mesh"))
+def target_forward_packed(target: Target, tokens_1M, positions_1M, row_M, slot_M, mask_BNN, cache: KVCache, *,
+                          tap_layers=(), attention_impl="xla", matmul_impl="xla", mesh=None):
+    """`target_forward` over nodes packed across requests (no validation; for the engine's round).
+
+    ``tokens_1M``, ``positions_1M``: ``[1, M]``, row ``m`` node ``slot_M[m]`` of request ``row_M[m]``
+    (``row_M = B``: unused); ``mask_BNN`` and ``cache`` are per request, as in `target_forward`. The
+    projections, MLPs and LM head run over the ``M`` packed rows; the attention and the scratch
+    writes over the per-request layout (`layers.packed_attend`). Returns ``logits [1, M, V]``,
+    ``taps [1, M, F]`` and the cache with each node's K/V at its request's scratch slot
+    ``lengths + slot``.
+    """
+    attend = L.packed_attend(mask_BNN, row_M, slot_M, target.config.head_dim ** -0.5, attention_impl, mesh)
+    return run_layers(target, tokens_1M, positions_1M, attend, cache, tuple(tap_layers), None,
+                      kernels.matmul_fn(matmul_impl, mesh), moe.decoder_mlp(mesh))
+
+
 @functools.partial(jax.jit, static_argnames="tap_layers")
 def _target_forward_nocache(target, tokens_BN, positions_BN, mask_BNN, tap_layers):
     scale = target.config.head_dim ** -0.5
