@@ -11,8 +11,13 @@ Unused slots are padding: ``parent = -1``, ``depth = 0``, ``token = 0``, ``logw 
 
 ``build_tree`` computes the heap's result without a heap. The drafter's per-depth distributions do
 not depend on the prefix, so the best ``B`` prefixes of depth ``d`` extend the best ``B`` prefixes
-of depth ``d - 1``: a width-``B`` beam per depth, then one global sort by (-logw, rank tuple), gives
-exactly the best-first pop order in about ``L`` fixed-shape steps.
+of depth ``d - 1``: a width-``B`` beam per depth, then one global order by (-logw, rank tuple),
+gives exactly the best-first pop order in about ``L`` fixed-shape steps.
+
+No step sorts (`ddtree_jax.selection`): the per-depth top-``K`` tokens come from an exact two-stage
+top-k (chunk maxima, then the best chunks), and each ordering (a depth's candidates, their
+lexicographic positions, the global order) is a rank counted from pairwise comparisons, one fused
+reduction, followed by a scatter to the ranks.
 """
 
 from __future__ import annotations
