@@ -108,10 +108,11 @@ def _rank_packing(k: int, depth_count: int) -> tuple[int, int, int]:
     return bits, per_word, -(-depth_count // per_word)
 
 
-def _build_one(lp_LV, root, *, budget: int, k: int):
-    """Tree of one request from its per-depth log-probabilities ``lp_LV``."""
-    depth_count = lp_LV.shape[0]
-    lp_LK, tok_LK = selection.top_k(lp_LV, k)  # ties: lower token id first
+def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root: Int[Array, ""], *, budget: int):
+    """One request's tree arrays ``(tokens, parents, depths, logw [N], num_nodes [])`` from each
+    depth's top ``K`` log-probabilities and int32 token ids (descending, ties by lower id; ``K <=
+    budget``): the beam and the global order of `build_tree`, without the vocabulary top-k."""
+    depth_count, k = lp_LK.shape
     neg_inf = jnp.float32(-jnp.inf)
     width = budget
     bits, per_word, num_words = _rank_packing(k, depth_count)
@@ -168,8 +169,9 @@ def build_tree_unchecked(draft_logits, root_tokens, draft_temperature, *, budget
     depth_count, vocab = draft_logits.shape[1:]
     k = min(budget, vocab) if topk_cap is None else min(topk_cap, budget, vocab)
     lp_BLV = draft_log_probs(draft_logits, draft_temperature)
-    build = functools.partial(_build_one, budget=budget, k=k)
-    tokens, parents, depths, logw, num_nodes = jax.vmap(build)(lp_BLV, root_tokens.astype(jnp.int32))
+    lp_BLK, tok_BLK = selection.top_k(lp_BLV, k)  # ties: lower token id first
+    build = functools.partial(tree_from_top_k, budget=budget)
+    tokens, parents, depths, logw, num_nodes = jax.vmap(build)(lp_BLK, tok_BLK, root_tokens.astype(jnp.int32))
     return DraftTree(tokens, parents, depths, logw, num_nodes, max_depth=depth_count)
 
 
