@@ -11,8 +11,15 @@ Unused slots are padding: ``parent = -1``, ``depth = 0``, ``token = 0``, ``logw 
 
 ``build_tree`` computes the heap's result without a heap. The drafter's per-depth distributions do
 not depend on the prefix, so the best ``B`` prefixes of depth ``d`` extend the best ``B`` prefixes
-of depth ``d - 1``: a width-``B`` beam per depth, then one global sort by (-logw, rank tuple), gives
-exactly the best-first pop order in about ``L`` fixed-shape steps.
+of depth ``d - 1``: a width-``B`` beam per depth, then one global order by (-logw, rank tuple),
+gives exactly the best-first pop order in about ``L`` fixed-shape steps.
+
+No step sorts (`ddtree_jax.selection`): the per-depth top-``K`` tokens come from an exact two-stage
+top-k (chunk maxima, then the best chunks), and each ordering (a depth's candidates, their
+lexicographic positions, the global order) is a rank counted from pairwise comparisons, one fused
+reduction, followed by a scatter to the ranks. Counting costs ``P^2`` comparisons for ``P``
+entries: about ``(B ln B)^2`` per depth and ``(L B)^2`` for the global order, small next to a sort's
+kernel launches up to ``B`` of about a thousand and quadratic beyond.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ddtree_jax import checks
+from ddtree_jax import checks, selection
 
 _MAX_BUDGET = 32768  # keeps the beam's (parent lex position * K + rank) key inside int32
 
@@ -92,65 +99,70 @@ def _beam_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return beam_i, rank
 
 
-def _lex_positions(key: Int[Array, " W"], valid: Bool[Array, " W"]) -> Int[Array, " W"]:
-    """Position of each valid entry when sorted by ``key`` (invalid entries last)."""
-    order = jnp.argsort(jnp.where(valid, key, jnp.iinfo(jnp.int32).max), stable=True)
-    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+def _rank_packing(k: int, depth_count: int) -> tuple[int, int, int]:
+    """(bits per rank, ranks per int32 word, words) to pack a rank tuple of ``rank + 1`` values.
+
+    Words hold ranks big-end first and ``0`` past a node's depth, so comparing the word tuples
+    compares the rank tuples lexicographically with a prefix before its extensions.
+    """
+    bits = k.bit_length()  # rank + 1 <= k
+    per_word = 31 // bits
+    return bits, per_word, -(-depth_count // per_word)
 
 
-def _build_one(lp_LV, root, *, budget: int, k: int):
-    """Tree of one request from its per-depth log-probabilities ``lp_LV``."""
-    depth_count = lp_LV.shape[0]
-    lp_LK, tok_LK = jax.lax.top_k(lp_LV, k)  # ties: lower token id first
-    tok_LK = tok_LK.astype(jnp.int32)
+def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root: Int[Array, ""], *, budget: int):
+    """One request's tree arrays ``(tokens, parents, depths, logw [N], num_nodes [])`` from each
+    depth's top ``K`` log-probabilities and int32 token ids (descending, ties by lower id; ``K <=
+    budget``): the beam and the global order of `build_tree`, without the vocabulary top-k."""
+    depth_count, k = lp_LK.shape
     neg_inf = jnp.float32(-jnp.inf)
     width = budget
+    bits, per_word, num_words = _rank_packing(k, depth_count)
+
+    def with_rank(words_WX, d, r_W):  # set depth d's rank (0-based d) in the packed rank tuples
+        shift = bits * (per_word - 1 - d % per_word)
+        return words_WX.at[:, d // per_word].add((r_W + 1) << shift)
 
     # Depth 1: the beam is the K best tokens, already in (logw, rank) order; pad to the width.
     pad = width - k
     logw = jnp.concatenate([lp_LK[0], jnp.full((pad,), neg_inf)])
     rank = jnp.concatenate([jnp.arange(k, dtype=jnp.int32), jnp.zeros((pad,), jnp.int32)])
-    ranks_WL = jnp.zeros((width, depth_count), jnp.int32).at[:, 0].set(rank + 1)
-    beams = [(logw, tok_LK[0, rank], jnp.full((width,), -1, jnp.int32), ranks_WL)]
+    words_WX = with_rank(jnp.zeros((width, num_words), jnp.int32), 0, rank)
+    beams = [(logw, tok_LK[0, rank], jnp.full((width,), -1, jnp.int32), words_WX)]
     lexpos = jnp.arange(width, dtype=jnp.int32)
 
     pair_i, pair_r = map(jnp.asarray, _beam_pairs(width, k))
+    int_max = jnp.iinfo(jnp.int32).max
     for d in range(1, depth_count):
-        prev_logw, _, _, prev_ranks = beams[-1]
+        prev_logw, _, _, prev_words = beams[-1]
         cand_logw = prev_logw[pair_i] + lp_LK[d, pair_r]
-        cand_key = lexpos[pair_i] * k + pair_r
-        _, _, sel = jax.lax.sort(
-            (-cand_logw, cand_key, jnp.arange(cand_key.shape[0], dtype=jnp.int32)), num_keys=2
-        )
-        sel = sel[:width]
+        cand_key = lexpos[pair_i] * k + pair_r  # the rank tuple's order among this depth's candidates
+        cand_order = selection.ascending_ranks(-cand_logw, cand_key)
+        sel = selection.scatter_by_rank(cand_order, jnp.arange(cand_key.shape[0], dtype=jnp.int32), width)
         parent_i, r = pair_i[sel], pair_r[sel]
         logw = cand_logw[sel]
-        ranks_WL = prev_ranks[parent_i].at[:, d].set(r + 1)
-        beams.append((logw, tok_LK[d, r], parent_i, ranks_WL))
-        lexpos = _lex_positions(cand_key[sel], jnp.isfinite(logw))
+        beams.append((logw, tok_LK[d, r], parent_i, with_rank(prev_words[parent_i], d, r)))
+        lexpos = selection.ascending_ranks(jnp.where(jnp.isfinite(logw), cand_key[sel], int_max))
 
-    # Global best-first order over all depths: sort by (-logw, rank tuple), keep the first B.
+    # Global best-first order over all depths: by (-logw, rank tuple), the first B become nodes 1..B.
     logw_C = jnp.concatenate([b[0] for b in beams])
     tok_C = jnp.concatenate([b[1] for b in beams])
     parent_C = jnp.concatenate([b[2] for b in beams])
-    ranks_CL = jnp.concatenate([b[3] for b in beams])
+    words_CX = jnp.concatenate([b[3] for b in beams])
     depth_C = jnp.repeat(jnp.arange(1, depth_count + 1, dtype=jnp.int32), width)
-    num_c = logw_C.shape[0]
-    keys = (-logw_C, *[ranks_CL[:, j] for j in range(depth_count)])
-    order = jax.lax.sort((*keys, jnp.arange(num_c, dtype=jnp.int32)), num_keys=len(keys))[-1]
-    order = order[:budget]
-
-    node_of_C = jnp.full((num_c,), -1, jnp.int32).at[order].set(jnp.arange(1, budget + 1))
+    order_C = selection.ascending_ranks(-logw_C, *words_CX.T)
+    node_of_C = jnp.where(order_C < budget, order_C + 1, -1)
     parent_flat = (depth_C - 2) * width + parent_C  # flat index of the parent candidate
     parent_C = jnp.where(depth_C == 1, 0, node_of_C[jnp.maximum(parent_flat, 0)])
 
-    real = jnp.isfinite(logw_C[order])
-    pick = lambda x, fill: jnp.where(real, x[order], fill)  # noqa: E731
-    tokens = jnp.concatenate([root[None], pick(tok_C, 0)])
-    parents = jnp.concatenate([jnp.array([-1], jnp.int32), pick(parent_C, -1)])
-    depths = jnp.concatenate([jnp.array([0], jnp.int32), pick(depth_C, 0)])
-    logw = jnp.concatenate([jnp.zeros((1,), jnp.float32), pick(logw_C, neg_inf)])
-    return tokens.astype(jnp.int32), parents, depths, logw, 1 + jnp.sum(real, dtype=jnp.int32)
+    real = jnp.isfinite(logw_C)
+    fields = (jnp.where(real, tok_C, 0), jnp.where(real, parent_C, -1), jnp.where(real, depth_C, 0),
+              jax.lax.bitcast_convert_type(jnp.where(real, logw_C, neg_inf), jnp.int32))
+    nodes_B4 = selection.scatter_by_rank(order_C, jnp.stack(fields, axis=-1), budget)  # one scatter
+    heads = (root[None], jnp.array([-1], jnp.int32), jnp.array([0], jnp.int32))
+    tokens, parents, depths = (jnp.concatenate([head, nodes_B4[:, j]]) for j, head in enumerate(heads))
+    logw = jnp.concatenate([jnp.zeros((1,), jnp.float32), jax.lax.bitcast_convert_type(nodes_B4[:, 3], jnp.float32)])
+    return tokens, parents, depths, logw, 1 + jnp.sum(real & (order_C < budget), dtype=jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "topk_cap"))
@@ -159,8 +171,9 @@ def build_tree_unchecked(draft_logits, root_tokens, draft_temperature, *, budget
     depth_count, vocab = draft_logits.shape[1:]
     k = min(budget, vocab) if topk_cap is None else min(topk_cap, budget, vocab)
     lp_BLV = draft_log_probs(draft_logits, draft_temperature)
-    build = functools.partial(_build_one, budget=budget, k=k)
-    tokens, parents, depths, logw, num_nodes = jax.vmap(build)(lp_BLV, root_tokens.astype(jnp.int32))
+    lp_BLK, tok_BLK = selection.top_k(lp_BLV, k)  # ties: lower token id first
+    build = functools.partial(tree_from_top_k, budget=budget)
+    tokens, parents, depths, logw, num_nodes = jax.vmap(build)(lp_BLK, tok_BLK, root_tokens.astype(jnp.int32))
     return DraftTree(tokens, parents, depths, logw, num_nodes, max_depth=depth_count)
 
 

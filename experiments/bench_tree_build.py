@@ -1,0 +1,144 @@
+"""Micro-benchmark of the tree build at Qwen3 vocabulary size: the whole build and its parts.
+
+Times, in one process (jit, warm, ``block_until_ready``, median of repeats), for each batch and
+budget B (no top-k cap, so K = B):
+  full          = build_tree + tree_attention_mask + tree_positions from draft logits [batch, L, V],
+                  as the engine's round uses them
+  log_softmax   = the draft log-probabilities alone
+  top_k         = the exact vocabulary top-K the build uses (`selection.top_k`, from log-probabilities)
+  beam          = the per-depth beam and the global order (`tree_from_top_k`, from the top-K)
+  encodings     = attention mask + positions of a built tree
+  lax_top_k     = plain ``lax.top_k(lp, K)`` over the vocabulary: what XLA gives for the top-k
+and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
+an empty jitted call (the dispatch cost every timed call above carries). ``--profile`` adds the
+device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
+and writes JSON.
+
+    PYTHONPATH=. python3 experiments/bench_tree_build.py --out experiments/results/bench_tree_build.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from ddtree_jax import selection  # noqa: E402
+from ddtree_jax.experiments import profiling  # noqa: E402
+from ddtree_jax.tree import (  # noqa: E402
+    build_tree_unchecked,
+    draft_log_probs,
+    tree_attention_mask,
+    tree_from_top_k,
+    tree_positions,
+)
+from experiments.common import median_ms  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12
+COLUMNS = ("full_ms", "log_softmax_ms", "top_k_ms", "beam_ms", "encodings_ms", "lax_top_k_ms")
+
+
+@functools.partial(jax.jit, static_argnames=("budget",))
+def full(draft_logits, roots, *, budget):
+    tree = build_tree_unchecked(draft_logits, roots, jnp.float32(1.0), budget=budget, topk_cap=None)
+    return tree, tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
+
+
+log_softmax = jax.jit(lambda logits: draft_log_probs(logits, jnp.float32(1.0)))
+vocab_top_k = jax.jit(selection.top_k, static_argnames=("k",))
+lax_top_k = jax.jit(jax.lax.top_k, static_argnames=("k",))
+empty = jax.jit(lambda x: x + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("budget",))
+def beam(lp_BLK, tok_BLK, roots, *, budget):
+    return jax.vmap(functools.partial(tree_from_top_k, budget=budget))(lp_BLK, tok_BLK, roots)
+
+
+@jax.jit
+def encodings(tree, roots):
+    return tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
+
+
+def time_row(draft_logits, budget, repeats) -> dict:
+    """Every column of one (batch, budget) row, in ms."""
+    batch, depth, vocab = draft_logits.shape
+    k = min(budget, vocab)
+    roots = jnp.zeros((batch,), jnp.int32)
+    lp = log_softmax(draft_logits)
+    lp_k, tok_k = vocab_top_k(lp, k=k)
+    tree = full(draft_logits, roots, budget=budget)[0]
+    return dict(
+        batch=batch, budget=budget, vocab=vocab, depth=depth, k=k, chunk=selection.chunk_size(vocab, k),
+        full_ms=median_ms(lambda: full(draft_logits, roots, budget=budget), repeats),
+        log_softmax_ms=median_ms(lambda: log_softmax(draft_logits), repeats),
+        top_k_ms=median_ms(lambda: vocab_top_k(lp, k=k), repeats),
+        beam_ms=median_ms(lambda: beam(lp_k, tok_k, roots, budget=budget), repeats),
+        encodings_ms=median_ms(lambda: encodings(tree, roots), repeats),
+        lax_top_k_ms=median_ms(lambda: lax_top_k(lp, k=k), repeats),
+        hbm_floor_ms=1e3 * draft_logits.size * draft_logits.dtype.itemsize / HBM_BYTES_PER_S,
+    )
+
+
+def parse_ints(flag: str, text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v]
+    if not values or min(values) < 1:
+        raise ValueError(f"--{flag} must be a comma-separated list of ints >= 1, got {text!r}")
+    return values
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=151_936)
+    ap.add_argument("--depth", type=int, default=15)
+    ap.add_argument("--budgets", default="16,64,512")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
+    ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
+    args = ap.parse_args(argv)
+    budgets, batches = parse_ints("budgets", args.budgets), parse_ints("batches", args.batches)
+    for name in ("vocab", "depth", "repeats"):
+        if getattr(args, name) < (2 if name == "vocab" else 1):
+            raise ValueError(f"--{name} is too small: {getattr(args, name)}")
+    device = jax.devices()[0]
+    meta = dict(backend=jax.default_backend(), device=device.device_kind, jax=jax.__version__,
+                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv), repeats=args.repeats,
+                dispatch_ms=median_ms(lambda: empty(jnp.ones((4,))), args.repeats))
+    print(f"backend {meta['backend']}, device {meta['device']}, jax {meta['jax']}, "
+          f"empty jitted call {meta['dispatch_ms']:.3f} ms", flush=True)
+    header = " ".join(f"{c[:-3]:>11}" for c in COLUMNS)
+    print(f"{'batch':>5} {'B':>5} {'chunk':>5} {header} {'hbm floor':>10}  (ms)", flush=True)
+    rows, start = [], time.perf_counter()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for batch in batches:
+        draft = jax.random.normal(jax.random.key(batch), (batch, args.depth, args.vocab), jnp.float32) * 3
+        for budget in budgets:
+            row = time_row(draft, budget, args.repeats)
+            if args.profile:
+                try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
+                    run = functools.partial(full, draft, jnp.zeros((batch,), jnp.int32), budget=budget)
+                    row["profile_full"] = profiling.device_op_times(run)
+                    print(profiling.format_summary(row["profile_full"]), flush=True)
+                except Exception as e:  # noqa: BLE001
+                    row["profile_full_error"] = repr(e)
+            rows.append(row)
+            cells = " ".join(f"{row[c]:>11.3f}" for c in COLUMNS)
+            print(f"{batch:>5} {budget:>5} {row['chunk'] or '-':>5} {cells} {row['hbm_floor_ms']:>10.4f}", flush=True)
+            meta["elapsed_s"] = time.perf_counter() - start
+            with open(args.out, "w") as f:  # after every row: an interrupted run keeps what it measured
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.out} in {meta['elapsed_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""`experiments/bench_tree_build.py` end to end on tiny flags on the CPU: every row and field is written."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments import bench_tree_build  # noqa: E402
+
+
+def test_bench_tree_build_tiny_rows(tmp_path):
+    out = tmp_path / "tree_build.json"
+    argv = ["--vocab", "4096", "--depth", "3", "--budgets", "8,32", "--batches", "1,2", "--repeats", "2",
+            "--out", str(out)]
+    assert bench_tree_build.main(argv) == 0
+    result = json.loads(out.read_text())
+    meta, rows = result["meta"], result["rows"]
+    assert {"backend", "device", "jax", "date", "command", "dispatch_ms", "elapsed_s"} <= set(meta)
+    assert meta["dispatch_ms"] > 0
+    assert [(r["batch"], r["budget"]) for r in rows] == [(1, 8), (1, 32), (2, 8), (2, 32)]
+    for row in rows:
+        assert (row["vocab"], row["depth"], row["k"]) == (4096, 3, row["budget"])
+        assert row["chunk"] == 16  # both budgets take the two-stage top-k
+        assert all(row[c] > 0 for c in bench_tree_build.COLUMNS)
+        assert row["hbm_floor_ms"] == pytest.approx(1e3 * row["batch"] * 3 * 4096 * 4 / 4.8e12)
+
+
+def test_bench_tree_build_rejects_bad_flags(tmp_path):
+    with pytest.raises(ValueError, match="--budgets"):
+        bench_tree_build.main(["--budgets", "0", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(ValueError, match="--repeats"):
+        bench_tree_build.main(["--repeats", "0", "--out", str(tmp_path / "x.json")])

@@ -1,0 +1,133 @@
+"""The exact two-stage top-k and the counted ranks against ``lax.top_k``, ``lax.sort`` and NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from ddtree_jax import oracle, selection
+from ddtree_jax.tree import build_tree, draft_log_probs
+
+
+def numpy_top_k(x_NV, k):
+    """Reference: the first ``k`` of a stable sort by descending value (ties: lower index)."""
+    ids = np.argsort(-x_NV, axis=-1, kind="stable")[..., :k]
+    return np.take_along_axis(x_NV, ids, axis=-1), ids
+
+
+def tied_rows(seed, rows, vocab, levels, neg_inf_share):
+    """Integer-valued rows from ``levels`` distinct values (heavy ties), some entries ``-inf``."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-levels // 2, levels - levels // 2, size=(rows, vocab)).astype(np.float32)
+    x[rng.random(x.shape) < neg_inf_share] = -np.inf
+    return x
+
+
+def assert_top_k_exact(x, k):
+    values, ids = selection.top_k(jnp.asarray(x), k)
+    want_values, want_ids = numpy_top_k(x, k)
+    ref_values, ref_ids = jax.lax.top_k(jnp.asarray(x), k)
+    assert ids.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_array_equal(np.asarray(values), want_values)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(ref_values))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**31 - 1), st.integers(2, 5000), st.integers(1, 80), st.sampled_from([1, 2, 3, 8, 1000]),
+       st.sampled_from([0.0, 0.3, 0.97]))
+@example(0, 4099, 16, 2, 0.0)  # two stages, V not a multiple of the chunk, two values only
+@example(1, 4099, 16, 1000, 0.999)  # nearly all -inf: the top k reaches the -inf entries
+@example(2, 2048, 64, 1, 0.0)  # one value everywhere: the first k indices
+def test_top_k_matches_lax_and_numpy_with_ties(seed, vocab, k, levels, neg_inf_share):
+    k = min(k, vocab)
+    assert_top_k_exact(tied_rows(seed, 3, vocab, levels, neg_inf_share), k)
+
+
+@pytest.mark.parametrize("vocab,k", [(4099, 16), (1000, 16), (20_000, 300), (4096, 1), (9000, 64)])
+def test_two_stage_path_is_taken_and_exact(vocab, k):
+    chunk = selection.chunk_size(vocab, k)
+    assert chunk is not None and vocab >= 4 * k * chunk
+    for seed, levels in enumerate([2, 7, 10_000]):
+        assert_top_k_exact(tied_rows(seed, 2, vocab, levels, 0.1), k)
+
+
+def test_ties_across_chunk_boundaries_keep_lower_ids():
+    """Every chunk holds the same maximum: only the chunk-index tie rule keeps the lowest ids."""
+    vocab, k = 4099, 16
+    chunk = selection.chunk_size(vocab, k)
+    x = np.zeros((1, vocab), np.float32)
+    x[0, ::chunk] = 1.0  # the first entry of each chunk is its maximum, all equal
+    x[0, -1] = 1.0  # and one in the short last chunk
+    values, ids = selection.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(ids[0]), np.arange(k) * chunk)
+    np.testing.assert_array_equal(np.asarray(values[0]), np.ones(k))
+
+
+@pytest.mark.parametrize("vocab,k,want", [
+    (151_936, 16, 128), (151_936, 64, 64), (151_936, 512, 16), (151_936, 1024, 16),
+    (100, 16, None),  # small rows: a plain top-k
+    (5000, 1000, None),  # k * chunk too close to the row
+    (151_936, 151_936, None),  # k = V
+])
+def test_chunk_size_rule(vocab, k, want):
+    assert selection.chunk_size(vocab, k) == want
+
+
+@pytest.mark.parametrize("vocab,k", [(2, 2), (3, 1), (17, 17), (64, 40)])
+def test_top_k_small_rows_and_k_equal_vocab(vocab, k):
+    assert_top_k_exact(tied_rows(vocab, 4, vocab, 3, 0.2), k)
+
+
+def test_top_k_rejects_bad_k():
+    with pytest.raises(ValueError, match="k must be in"):
+        selection.top_k(jnp.zeros((2, 5)), 6)
+
+
+def test_top_k_under_vmap_and_leading_axes():
+    x = tied_rows(3, 2 * 3 * 5000, 1, 5, 0.0).reshape(2, 3, 5000)
+    values, ids = jax.vmap(lambda r: selection.top_k(r, 20))(jnp.asarray(x))
+    want_values, want_ids = numpy_top_k(x, 20)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_array_equal(np.asarray(values), want_values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 300), st.integers(1, 3), st.sampled_from([1, 3, 50]))
+def test_ascending_ranks_is_the_stable_lexicographic_sort(seed, n, num_keys, levels):
+    rng = np.random.default_rng(seed)
+    keys = [rng.integers(0, levels, n).astype(np.int32) for _ in range(num_keys - 1)]
+    first = rng.integers(0, levels, n).astype(np.float32)
+    first[rng.random(n) < 0.2] = -np.inf
+    got = np.asarray(selection.ascending_ranks(jnp.asarray(first), *map(jnp.asarray, keys)))
+    order = np.lexsort([np.arange(n), *reversed(keys), first])  # last key is the primary one
+    want = np.empty(n, np.int64)
+    want[order] = np.arange(n)
+    np.testing.assert_array_equal(got, want)
+    sorted_by_lax = jax.lax.sort((jnp.asarray(first), *map(jnp.asarray, keys), jnp.arange(n)), num_keys=num_keys)
+    np.testing.assert_array_equal(np.asarray(sorted_by_lax[-1]), order)
+    size = int(rng.integers(1, n + 1))
+    values = rng.integers(0, 1000, (n, 2)).astype(np.int32)
+    scattered = selection.scatter_by_rank(jnp.asarray(got), jnp.asarray(values), size)
+    np.testing.assert_array_equal(np.asarray(scattered), values[order[:size]])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in subtract")  # the oracle's z - max z: the point here
+def test_extreme_logits_give_no_nan_and_the_oracle_tree():
+    """Finite logits 6e38 apart underflow to ``-inf`` log-probabilities (ties at ``-inf``), never NaN."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 4, 3000)).astype(np.float32)
+    logits[..., ::7] = -3e38
+    logits[..., 5] = 3e38
+    logits[1, 2] = np.float32(3e38)  # a whole row tied at the top
+    lp = np.asarray(draft_log_probs(jnp.asarray(logits), 1.0))
+    assert not np.isnan(lp).any() and np.isneginf(lp).any()
+    for budget in (5, 40):
+        got = build_tree(logits, np.array([0, 1]), budget=budget)
+        want = oracle.build_tree(logits, np.array([0, 1]), budget=budget)
+        for field in ("tokens", "parents", "depths", "num_nodes"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, field)), getattr(want, field), err_msg=field)
+        np.testing.assert_allclose(np.asarray(got.logw), want.logw, rtol=1e-6, atol=1e-5)
