@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ValueError(f"--gen-temperatures must be >= 0, got {args.gen_temperatures}")
     if not 0 <= args.soft_weight <= 1:
         raise ValueError(f"--soft-weight must be in [0, 1], got {args.soft_weight}")
-    if not 0 < args.gen_prompt_len < args.seq_len:
+    if args.data == "generations" and not 0 < args.gen_prompt_len < args.seq_len:
         raise ValueError(f"--gen-prompt-len must be in (0, --seq-len={args.seq_len}), got {args.gen_prompt_len}")
     room = args.seq_len - args.block_size - (args.gen_prompt_len - 2 if args.data == "generations" else 0)
     if room < args.anchors:
