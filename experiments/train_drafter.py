@@ -13,10 +13,11 @@ frozen target forward that gives the taps), mixed with the cross-entropy of x[a 
 --soft-weight. The target (and its embedding and LM head, shared by the drafter) is frozen.
 Data (--data): the target's training corpus, or (the default) text the target writes itself: each
 sequence a --gen-prompt-len prefix of the train split followed by the target's continuation at one
-of --gen-temperatures (0 = greedy), in equal shares. Held-out metrics are measured the same way on
-continuations of held-out prompts, with anchors in the generated part: per slot, how often the
-drafter's top-1 equals the target's argmax, and the mean run of agreeing slots from slot 1 (on
-greedy continuations that run is the number of drafts a T = 0 chain round accepts).
+of --gen-temperatures (0 = greedy), in equal shares (generation stops at a third of --max-minutes).
+Held-out metrics are measured the same way on continuations of held-out prompts, with anchors in the
+generated part: per slot, how often the drafter's top-1 equals the target's argmax, and the mean run
+of agreeing slots from slot 1 (on greedy continuations that run is the number of drafts a T = 0
+chain round accepts).
 Writes to --out: the drafter in HF format (bf16), tokenizer.json, metrics.json (curves, per-slot
 agreement, timing) and loss.png.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -259,21 +261,24 @@ def sample_continuations(target: Target, prompts_BP, key, num_new: int, temperat
 
 
 def generated_sequences(target: Target, prompts: Iterator[np.ndarray], count: int, temperatures, args,
-                        seed: int) -> np.ndarray:
-    """``count`` sequences ``[count, seq_len]``: a prompt from ``prompts`` (``--gen-prompt-len``
-    tokens each) and the target's continuation, at the i-th of ``temperatures`` for the i-th equal
-    share (in batches of ``--gen-batch``)."""
-    key, out = jax.random.key(seed), []
-    shares = np.array_split(np.arange(count), len(temperatures))
+                        seed: int, deadline: float = math.inf) -> np.ndarray:
+    """Up to ``count`` sequences ``[N, seq_len]``: a prompt from ``prompts`` (``--gen-prompt-len``
+    tokens each) and the target's continuation, in batches of ``--gen-batch`` that take the
+    ``temperatures`` in turn. Generation stops early once `time.perf_counter` passes ``deadline``
+    (after one batch per temperature at least)."""
+    key, out, done = jax.random.key(seed), [], 0
     with tqdm(total=count, desc="generate", dynamic_ncols=True) as bar:
-        for temperature, share in zip(temperatures, shares):
-            for start in range(0, len(share), args.gen_batch):
-                batch = min(args.gen_batch, len(share) - start)
-                prompts_BP = np.stack([next(prompts) for _ in range(batch)])
-                new_BN = sample_continuations(target, jnp.asarray(prompts_BP), jax.random.fold_in(key, len(out)),
-                                              args.seq_len - args.gen_prompt_len, jnp.float32(temperature))
-                out.append(np.concatenate([prompts_BP, np.asarray(new_BN)], axis=1))
-                bar.update(batch)
+        while done < count and (len(out) < len(temperatures) or time.perf_counter() < deadline):
+            temperature = temperatures[len(out) % len(temperatures)]
+            batch = min(args.gen_batch, count - done)
+            prompts_BP = np.stack([next(prompts) for _ in range(batch)])
+            new_BN = sample_continuations(target, jnp.asarray(prompts_BP), jax.random.fold_in(key, len(out)),
+                                          args.seq_len - args.gen_prompt_len, jnp.float32(temperature))
+            out.append(np.concatenate([prompts_BP, np.asarray(new_BN)], axis=1))
+            done += batch
+            bar.update(batch)
+    if done < count:
+        print(f"generation stopped at its deadline: {done} of {count} sequences", flush=True)
     return np.concatenate(out).astype(np.int32)
 
 
@@ -285,13 +290,15 @@ def pool_blocks(pool_NS: np.ndarray, seed: int):
         epoch += 1
 
 
-def training_data(target: Target, tokenizer, args) -> Iterator[np.ndarray]:
-    """Endless training sequences ``[seq_len]`` of ``--data`` (``target`` writes the generations)."""
+def training_data(target: Target, tokenizer, args, deadline: float = math.inf) -> Iterator[np.ndarray]:
+    """Endless training sequences ``[seq_len]`` of ``--data`` (``target`` writes the generations, until
+    ``deadline`` at the latest)."""
     if args.data == "corpus":
         return corpus.token_blocks(tokenizer, "train", args.seq_len, seed=args.seed, max_files=args.max_files)
     prompts = corpus.token_blocks(tokenizer, "train", args.gen_prompt_len, seed=args.seed + 1,
                                   max_files=args.max_files)
-    pool_NS = generated_sequences(target, prompts, args.gen_sequences, args.gen_temperatures, args, args.seed + 1)
+    pool_NS = generated_sequences(target, prompts, args.gen_sequences, args.gen_temperatures, args, args.seed + 1,
+                                  deadline)
     return pool_blocks(pool_NS, args.seed)
 
 
@@ -332,7 +339,9 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     writer = load_target(args.target, dtype=jnp.float32)  # generations follow the float32 argmax, as the CPU does
-    train = common.batches(training_data(writer, tokenizer, args), args.batch)
+    # The training generations get at most a third of --max-minutes.
+    deadline = process_start + (args.max_minutes or math.inf) * 60 / 3
+    train = common.batches(training_data(writer, tokenizer, args, deadline), args.batch)
     heldout = heldout_sets(writer, tokenizer, args)
     data_seconds = time.perf_counter() - t0
     print(f"data ({args.data}) ready in {data_seconds:.1f} s", flush=True)

@@ -261,3 +261,18 @@ def test_eval_acceptance_methods():
     for bad in ("ddtreex", "ddtree16capx", "tree"):
         with pytest.raises(ValueError, match="--methods"):
             eval_acceptance.parse_methods(bad)
+
+
+def test_generation_stops_at_its_deadline():
+    """Past the deadline only one batch per temperature is written; the batches take the temperatures in turn."""
+    target, _ = tiny_pair()
+    args = train_drafter.parse_args(["--target", "t", "--out", "o", "--seq-len", "12", "--gen-prompt-len", "4",
+                                     "--anchors", "2", "--block-size", "4", "--gen-batch", "3"])
+    prompts = iter(np.random.default_rng(0).integers(0, V, (30, 4)))
+    late = train_drafter.generated_sequences(target, prompts, 30, (0.0, 1.0), args, seed=0, deadline=0.0)
+    assert late.shape == (6, 12)
+    full = train_drafter.generated_sequences(target, iter(late[:, :4]), 6, (0.0, 1.0), args, seed=0)
+    np.testing.assert_array_equal(full, late)
+    greedy = train_drafter.sample_continuations(target, jnp.asarray(late[:3, :4]), jax.random.key(0), 8,
+                                                jnp.float32(0.0))
+    np.testing.assert_array_equal(late[:3, 4:], np.asarray(greedy))
