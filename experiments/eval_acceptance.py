@@ -2,9 +2,11 @@
 
 For each method and temperature: mean acceptance length tau (accepted drafts + the bonus token, per
 round) with a 95% bootstrap interval over prompts, and the mean exact expected number of accepted
-drafts per round (from the target's law on the drafted tree). Writes JSON, CSV and a PNG.
+drafts per round (from the target's law on the drafted tree). Writes JSON and CSV after every
+cell (a run stopped midway keeps the cells it finished) and a PNG at the end.
 
     python experiments/eval_acceptance.py --prompts 100 --new-tokens 128
+    python experiments/eval_acceptance.py --methods chain,ddtree64,ddtree16cap4   # B = 16 with a per-depth cap 4
 """
 
 from __future__ import annotations
@@ -31,14 +33,20 @@ from ddtree_jax.experiments.stats import bootstrap_ci, per_request_tau  # noqa: 
 from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
 
 
-def parse_methods(spec: str) -> list[tuple[str, str, int]]:
-    """``"ar,chain,ddtree16"`` -> [(label, method, budget)]."""
+def parse_methods(spec: str, default_cap: int = 0) -> list[tuple[str, str, int, int]]:
+    """``"ar,chain,ddtree16,ddtree16cap4"`` -> [(label, method, budget, topk_cap)]; a ``capN`` suffix
+    sets DDTree's per-depth cap (0 = none), else ``default_cap``."""
     out = []
     for item in spec.split(","):
         if item.startswith("ddtree"):
-            out.append((item, "ddtree", int(item[len("ddtree"):])))
+            budget, _, cap = item[len("ddtree"):].partition("cap")
+            if not budget.isdigit() or (cap and not cap.isdigit()):
+                raise ValueError(f"--methods: {item!r} is not ddtreeB or ddtreeBcapK")
+            out.append((item, "ddtree", int(budget), int(cap) if cap else default_cap))
+        elif item in ("ar", "chain"):
+            out.append((item, item, 1, 0))
         else:
-            out.append((item, item, 1))
+            raise ValueError(f"--methods: unknown method {item!r} (ar, chain, ddtreeB, ddtreeBcapK)")
     return out
 
 
@@ -65,6 +73,15 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def write_rows(out: Path, meta: dict, rows: list[dict]) -> None:
+    """``out.json`` (``meta`` and ``rows``) and ``out.csv`` (the rows)."""
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, default=TARGET_DIR)
@@ -74,7 +91,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--methods", default="ar,chain,ddtree16,ddtree64,ddtree256")
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--topk-cap", type=int, default=0, help="DDTree per-depth cap; 0 = none")
+    ap.add_argument("--topk-cap", type=int, default=0, help="DDTree per-depth cap of ddtreeB methods; 0 = none")
     ap.add_argument("--batch", type=int, default=100, help="prompts per generate call")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -85,13 +102,16 @@ def main(argv=None):
     target, drafter = load_target(args.target, dtype), load_drafter(args.drafter, dtype)
     tokenizer = Tokenizer.from_file(args.target / "tokenizer.json")
     prompts = corpus.heldout_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
-    cells = [(m, float(t)) for t in args.temperatures.split(",") for m in parse_methods(args.methods)]
+    cells = [(m, float(t)) for t in args.temperatures.split(",") for m in parse_methods(args.methods, args.topk_cap)]
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                python=sys.version.split()[0], command=" ".join(sys.argv))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    for (label, method, budget), temperature in tqdm(cells, desc="cells"):
+    for (label, method, budget, cap), temperature in tqdm(cells, desc="cells"):
         emitted, rounds, expected, seconds = [], [], [], 0.0
         for start in range(0, len(prompts), args.batch):
             res = generate(target, drafter, prompts[start:start + args.batch], method=method, budget=budget,
-                           topk_cap=args.topk_cap or None, temperature=temperature,
+                           topk_cap=cap or None, temperature=temperature,
                            max_new_tokens=args.new_tokens, key=jax.random.key(args.seed),
                            request_ids=np.arange(start, start + len(prompts[start:start + args.batch])))
             e, r = per_request_tau(res)
@@ -102,21 +122,14 @@ def main(argv=None):
             seconds += res.seconds
         emitted, rounds, expected = np.concatenate(emitted), np.concatenate(rounds), np.concatenate(expected)
         lo, hi = bootstrap_ci(emitted, rounds, seed=args.seed)
-        row = dict(label=label, method=method, budget=budget, temperature=temperature,
+        row = dict(label=label, method=method, budget=budget, topk_cap=cap, temperature=temperature,
                    tau=float(emitted.sum() / rounds.sum()), tau_lo=lo, tau_hi=hi,
                    expected_accepted=float(expected.mean()), measured_accepted=float(emitted.sum() / rounds.sum() - 1),
                    prompts=len(prompts), new_tokens=args.new_tokens, tokens_per_s=float(emitted.sum() / seconds))
         rows.append(row)
-        tqdm.write(f"{label:>10} T={temperature:g}: tau {row['tau']:.3f} [{lo:.3f}, {hi:.3f}]  "
+        tqdm.write(f"{label:>12} T={temperature:g}: tau {row['tau']:.3f} [{lo:.3f}, {hi:.3f}]  "
                    f"expected accepted {row['expected_accepted']:.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                python=sys.version.split()[0], command=" ".join(sys.argv))
-    args.out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+        write_rows(args.out, meta, rows)
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out}.json/.csv/.png")
 
