@@ -15,8 +15,8 @@ PROMPT_IDS = [534, 1246, 67, 272, 712, 656, 9, 79, 290, 279, 363, 326, 691, 456,
 # Computed once from the shipped weights (fp32 on a CPU).
 TARGET_LAST_LOGITS_0_6 = [7.0090, -7.5481, 2.5942, -2.2493, 8.1700, 1.2990]
 TARGET_TOP5 = [200, 70, 4, 67, 2176]
-DRAFTER_ARGMAX_0_8 = [200, 534, 430, 64, 64, 64, 64, 9]
-DRAFTER_SLOT0_LOGITS_0_4 = [10.2546, -6.4472, 3.2255, 1.7384]
+DRAFTER_ARGMAX_0_8 = [200, 534, 430, 64, 64, 9, 9, 9]
+DRAFTER_SLOT0_LOGITS_0_4 = [8.6128, -7.0873, 1.1999, 0.5422]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_assets_are_small_and_complete():
     names = {p.relative_to(Path(TARGET_DIR).parent).as_posix() for p in files}
     assert {"target/config.json", "target/model.safetensors", "target/tokenizer.json",
             "drafter/config.json", "drafter/model.safetensors"} <= names
-    assert sum(p.stat().st_size for p in files) <= 25 * 2**20
+    assert sum(p.stat().st_size for p in files) <= 40 * 10**6
 
 
 def test_tokenizer_encodes_the_reference_prompt():
