@@ -188,7 +188,8 @@ def batch_policy(mesh=None) -> dict:
     """Tokens of the MoE model "e" under the batch-global budget policy (packed verify rows) with the
     target over ``mesh`` (``None``: unsharded), and the error of the same run over a ``dp = 2`` mesh."""
     target, drafter = tiny_models("e")
-    kw = dict(SAMPLING, **GENERATE, key=jax.random.key(KEY_SEED), budget_policy="batch")
+    # A request may keep up to BATCH_SPREAD x budget drafts: the cache needs more than GENERATE's max_len.
+    kw = dict(SAMPLING, **dict(GENERATE, max_len=None), key=jax.random.key(KEY_SEED), budget_policy="batch")
     out = {"tokens": engine.generate(target, drafter, PROMPTS, **kw, mesh=mesh).tokens.tolist()}
     if mesh is not None:
         try:
