@@ -145,11 +145,9 @@ def _mesh(args, target):
 def cmd_generate(args) -> int:
     """Validate every flag and file, then stream the prompt and its continuation (or print JSON)."""
     import jax
-    import numpy as np
-
-    from ddtree_jax.engine import generate
 
     from ddtree_jax import costs
+    from ddtree_jax.engine import generate
 
     checks.flags(args, GENERATE_RULES)
     if args.budget_policy != "fixed" and args.method != "ddtree":
@@ -192,8 +190,7 @@ def cmd_generate(args) -> int:
     ids = [int(t) for t in res.tokens[0, : res.lengths[0]]]
     stats = res.summary()
     stats.update(method=args.method, budget=args.budget, topk_cap=args.topk_cap, budget_policy=args.budget_policy,
-                 temperature=args.temperature, backend=jax.default_backend(),
-                 mean_tree_size=float(np.mean([r.tree_size[r.accepted >= 0].mean() for r in res.rounds])))
+                 temperature=args.temperature, backend=jax.default_backend())
     if args.json:
         text = tokenizer.decode(ids) if tokenizer is not None else None
         print(json.dumps({"text": text, "prompt_ids": prompt, "token_ids": ids, "stats": stats}))

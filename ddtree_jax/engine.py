@@ -60,6 +60,13 @@ class RoundSpec:
     budget_policy: str = "fixed"  # one of budget.POLICIES
     cost_ms: tuple[float, ...] | None = None  # "adaptive": modelled round ms with 0 .. budget drafts
 
+    def __post_init__(self):
+        if self.budget_policy != "adaptive":
+            return
+        cost_ms = self.cost_ms
+        if cost_ms is None or len(cost_ms) != self.budget + 1 or not all(np.isfinite(c) and c > 0 for c in cost_ms):
+            raise ValueError(f"cost_ms must be {self.budget + 1} finite times > 0 (0 .. budget drafts), got {cost_ms}")
+
     @property
     def tree_budget(self) -> int:
         """Drafts each request's tree is built with (``"batch"``: room for more than ``budget``)."""
@@ -134,7 +141,8 @@ class GenerateResult:
       per round, consistent with the returned tokens;
     - ``acceptance_length``: mean of (accepted drafts + 1) per request-round, before any cut at a stop
       token or ``max_new_tokens`` (the DDTree paper's acceptance length, for research);
-    - ``mean_expected``: mean exact expected accepted drafts per request-round (bonus excluded).
+    - ``mean_expected``: mean exact expected accepted drafts per request-round (bonus excluded);
+    - ``mean_tree_size``: mean tree nodes a request-round verified, root included.
     """
 
     tokens: np.ndarray
@@ -168,6 +176,12 @@ class GenerateResult:
         return float(np.mean(values)) if len(values) else float("nan")
 
     @property
+    def mean_tree_size(self) -> float:
+        """Mean verified tree nodes (root included) per request-round."""
+        values = np.concatenate([r.tree_size for r in self.rounds])[self._live()] if self.rounds else []
+        return float(np.mean(values)) if len(values) else float("nan")
+
+    @property
     def tokens_per_s(self) -> float:
         return float(self.lengths.sum() / self.seconds) if self.seconds > 0 else float("nan")
 
@@ -177,6 +191,7 @@ class GenerateResult:
             "tau": self.tau,
             "acceptance_length": self.acceptance_length,
             "expected_accepted": self.mean_expected,
+            "mean_tree_size": self.mean_tree_size,
             "rounds": len(self.rounds),
             "request_rounds": self.request_rounds,
             "tokens": int(self.lengths.sum()),
@@ -386,10 +401,10 @@ def _resolve_impls(attention_impl: str, sampler_impl: str, matmul_impl: str) -> 
 
 def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int, topk_cap: int | None,
               attention_impl: str = "xla", sampler_impl: str = "xla", matmul_impl: str = "xla",
-              budget_policy: str = "fixed", cost_ms: Sequence[float] | None = None) -> RoundSpec:
+              budget_policy: str = "fixed") -> RoundSpec:
     """Validate the method, tree settings, kernel switches and budget policy against the models; return
-    the round's static spec. ``cost_ms`` (``"adaptive"`` only): ``budget + 1`` modelled round times
-    with ``0 .. budget`` drafts per request (default flat: every node is kept)."""
+    the round's static spec (``"adaptive"``: with the flat cost, which keeps every node; `generate`
+    puts the cost table's ``budget + 1`` round times in ``cost_ms``)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     impls = _resolve_impls(attention_impl, sampler_impl, matmul_impl)
@@ -409,12 +424,7 @@ def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int,
         budget, topk_cap = depth, 1
     elif topk_cap is not None:
         topk_cap = checks.positive_int("topk_cap", topk_cap)
-    if budget_policy == "adaptive":
-        cost_ms = (1.0,) * (budget + 1) if cost_ms is None else tuple(float(c) for c in cost_ms)
-        if len(cost_ms) != budget + 1 or not all(np.isfinite(c) and c > 0 for c in cost_ms):
-            raise ValueError(f"cost_ms must be {budget + 1} finite times > 0 (0 .. budget drafts), got {cost_ms}")
-    else:
-        cost_ms = None
+    cost_ms = (1.0,) * (budget + 1) if budget_policy == "adaptive" else None
     return RoundSpec(method, budget, topk_cap, depth, tuple(dc.target_layer_ids), *impls, budget_policy, cost_ms)
 
 

@@ -142,6 +142,8 @@ def test_statistics_are_consistent():
     assert summary["acceptance_length"] >= summary["tau"]  # the last round's tokens past the limit are cut
     assert 1.0 <= summary["tau"] <= drafter.config.block_size
     assert 0.0 <= summary["expected_accepted"] <= 24
+    sizes = np.stack([r.tree_size for r in res.rounds])
+    assert summary["mean_tree_size"] == pytest.approx(np.mean(sizes[live])) == 25
     emitted = np.stack([r.emitted for r in res.rounds])
     np.testing.assert_array_equal(emitted.sum(0), res.lengths)
     assert np.all(emitted[~live] == 0)
