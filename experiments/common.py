@@ -58,8 +58,7 @@ def parse_training_args(p: argparse.ArgumentParser, argv, tiny: dict, positive: 
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0 <= args.warmup < args.steps:
-        raise ValueError(f"--warmup must be in [0, --steps={args.steps}), got {args.warmup}")
+    Schedule(args.lr, args.steps, args.warmup)  # checks the warmup before any data is prepared
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise ValueError(f"--max-minutes must be > 0, got {args.max_minutes}")
     return args

@@ -13,10 +13,9 @@ with request id ``i`` and ``jax.random.key(seed)``, so all cells see the same pr
 coin streams. Each call's decoding is also priced by a cost table (``--cost-table``, default the
 device's; `ddtree_jax.costs`): the ``model_ms`` column, the sum over its rounds of the modelled
 round time at the mean number of drafts its live requests verified (the AR decode step for AR; 0
-without a table), from
-which `plot.summarise` projects tokens/s on the table's device; the same table is the adaptive
-policy's cost model. The output CSV has one row per cell and prompt; a cell's rows are appended once it
-is finished, and a rerun skips finished cells (resumable). ``<out>.json`` records every run's
+without a table), from which `plot.summarise` projects tokens/s on the table's device; the same
+table is the adaptive policy's cost model. The output CSV has one row per cell and prompt; a cell's
+rows are appended once it is finished, and a rerun skips finished cells (resumable). ``<out>.json`` records every run's
 command, date, device and settings. The default output is ``ddtree-sweep/sweep.csv`` (``--quick``:
 ``ddtree-sweep/sweep_quick.csv``) under the working directory, and the run ends with the table and
 figures of `ddtree_jax.experiments.plot` next to the CSV (``--no-plot`` skips them).
