@@ -1,6 +1,6 @@
 """Train a DFlash drafter against a frozen target (the DFlash recipe, docs/design.md "Training the drafter").
 
-    python experiments/train_drafter.py --target runs/target --out runs/drafter --max-minutes 5.5
+    python experiments/train_drafter.py --target runs/target --out runs/drafter --max-minutes 7
     python experiments/train_drafter.py --tiny --target /tmp/target --out /tmp/drafter
 
 Per training sequence x (length S), A anchors a are drawn in [1, S - block_size]; anchor a gives

@@ -4,7 +4,7 @@
 #   bash experiments/train_embedded.sh OUT target    # the target (OUT/target), capped at 6.5 minutes
 #   bash experiments/train_embedded.sh OUT drafter   # the drafter (OUT/drafter) distilled from the
 #                                                    # target on its own greedy and T = 1 text (capped
-#                                                    # at 5.5 minutes), then its acceptance on 32
+#                                                    # at 7 minutes), then its acceptance on 32
 #                                                    # held-out prompts (OUT/drafter/acceptance.*)
 #   bash experiments/train_embedded.sh OUT           # both
 # TARGET=DIR takes the drafter stage's target from DIR instead of OUT/target; PYTHON picks the
@@ -31,7 +31,7 @@ if [ "$stage" != target ]; then
   for data in generations ${COMPARE_DATA:+corpus}; do
     dir="$out/drafter"; [ "$data" = generations ] || dir="$out/drafter_$data"
     "$py" experiments/train_drafter.py "${tiny[@]}" --target "$target" --out "$dir" --data "$data" \
-      --max-minutes 5.5
+      --max-minutes 7
     # The cells write their rows as they finish: a timeout keeps the ones done.
     timeout "$eval_timeout" "$py" experiments/eval_acceptance.py --target "$target" --drafter "$dir" \
       "${eval_size[@]}" --methods chain,ddtree64,ddtree16cap4 --temperatures 0,1 \

@@ -87,10 +87,11 @@ SHAPES = {
 
 
 # The knobs ``--shapes`` sets unless they are given (part 1's batches, contexts, budgets and repeats;
-# part 2's batches and new tokens).
+# part 2's batches, budgets and new tokens).
 FULL = dict(batches=[1, 8], contexts=[1024, 8192], budgets=[16, 64, 256, 512], repeats=20, embedded_batches=[1, 8],
-            new_tokens=128)
-TINY = dict(batches=[1], contexts=[64], budgets=[8], repeats=3, embedded_batches=[1], new_tokens=16)
+            embedded_budgets=[16, 64], new_tokens=128)
+TINY = dict(batches=[1], contexts=[64], budgets=[8], repeats=3, embedded_batches=[1], embedded_budgets=[8],
+            new_tokens=16)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -389,7 +390,8 @@ def _prefill_ms(target, drafter, prompts, repeats, impls) -> float:
 
 
 def bench_embedded(args, emit) -> None:
-    """Part 2: AR, chain and DDTree (B = 64) on the embedded pair; calls ``emit(row)`` per run."""
+    """Part 2: AR, chain and DDTree (each of ``--embedded-budgets``, with ``--topk-cap``) on the embedded
+    pair; calls ``emit(row)`` per run."""
     from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR
     from ddtree_jax.checkpoint import load_drafter, load_target
     from ddtree_jax.experiments import corpus
@@ -402,9 +404,10 @@ def bench_embedded(args, emit) -> None:
     for batch in args.embedded_batches:
         for temperature in (0.0, 1.0):
             base = None
-            for method, budget in (("ar", 1), ("chain", 1), ("ddtree", 64)):
+            for method, budget in (("ar", 1), ("chain", 1), *(("ddtree", b) for b in args.embedded_budgets)):
                 generate = functools.partial(
-                    engine.generate, target, drafter, prompts[:batch], method=method, budget=budget, topk_cap=None,
+                    engine.generate, target, drafter, prompts[:batch], method=method, budget=budget,
+                    topk_cap=args.topk_cap or None if method == "ddtree" else None,
                     temperature=temperature, with_expected=False, attention_impl=args.attention_impl,
                     sampler_impl=args.sampler_impl)
                 res = generate(max_new_tokens=args.new_tokens)  # times the rounds only, not compilation
@@ -412,7 +415,7 @@ def bench_embedded(args, emit) -> None:
                 emit(dict(batch=batch, temperature=temperature, method=method, budget=budget, tau=res.tau,
                           acceptance_length=res.acceptance_length, tokens_per_s=res.tokens_per_s,
                           speedup_over_ar=res.tokens_per_s / base))
-                print(f"embedded batch {batch} T={temperature:g} {method:>6}: tau {res.tau:.2f}, "
+                print(f"embedded batch {batch} T={temperature:g} {method:>6} B={budget}: tau {res.tau:.2f}, "
                       f"{res.tokens_per_s:,.0f} tokens/s, {res.tokens_per_s / base:.2f}x AR", flush=True)
 
 
@@ -483,6 +486,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, help="warm calls per timing, their median reported " + preset("repeats"))
     p.add_argument("--embedded", action="store_true", help="also run part 2 on the embedded pair")
     p.add_argument("--embedded-batches", type=_ints, help="part 2 batch sizes " + preset("embedded_batches"))
+    p.add_argument("--embedded-budgets", type=_ints, help="part 2 DDTree node budgets " + preset("embedded_budgets"))
     p.add_argument("--new-tokens", type=int, help="tokens per request in part 2 " + preset("new_tokens"))
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="JSON output")
 
