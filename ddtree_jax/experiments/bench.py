@@ -9,8 +9,8 @@ zero-filled to the given context length: a round's cost does not depend on the c
 round without one (both on the XLA attention path, which XLA partitions itself). ``--profile``
 traces the decode step and the first budget's round and sums their device ops by kind (matmuls,
 the Pallas kernels, data movement, the rest; `ddtree_jax.experiments.profiling`).
-Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree on the embedded pair, with the
-speedup over AR measured in the same process.
+Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree (each of ``--embedded-budgets``) on
+the embedded pair, with the speedup over AR measured in the same process.
 
 Every timing is the median of ``--repeats`` warm calls ending in ``block_until_ready``; the first
 call of the decode step and of each round (compilation included) is recorded apart. The JSON is
