@@ -50,7 +50,7 @@ SMALL = os.environ.get("DDTREE_NOTEBOOK_SMALL") == "1"
 OUT = Path(os.environ.get("DDTREE_NOTEBOOK_OUT", ROOT / "notebooks" / "figures"))
 OUT.mkdir(parents=True, exist_ok=True)
 ROUND_SAMPLES = 3000 if SMALL else 10000
-SEQUENCES = 128 if SMALL else 512
+SEQUENCES = 256 if SMALL else 512
 CHUNK = 1000
 ROUND_SAMPLING = dict(temperature=0.8)
 SEQUENCE_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95)
