@@ -14,6 +14,9 @@
 # otherwise `sweep_quick.csv`, the quick grid run on a CPU), pools every cell over its prompts with
 # 95% bootstrap intervals, and draws the figures of `ddtree_jax.experiments.plot`. Set `DDTREE_SWEEP_CSV`
 # to read another sweep. Figures go to `$DDTREE_NOTEBOOK_OUT` (default `notebooks/figures/`).
+# The committed full grid was run on an older embedded pair than the shipped one (its date is printed
+# below; `experiments/README.md` says which pair each result comes from); `sweep_quick.csv` and the
+# budget-policy sweeps come from the shipped pair.
 
 # %%
 import os
