@@ -15,6 +15,10 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the s
   ============  =======================================================  =========
   attention     pallas when ``head_dim`` is a power of two >= 16 and       xla
                 q/k/v share a float dtype (`tree_attention.kernel_supports`)
+  q/k norm +    pallas (one kernel for the q/k/v split, the q/k RMSNorms    xla
+  RoPE          and RoPE) when the head counts and ``head_dim / 2`` are
+                powers of two (`qk_norm_rope.kernel_supports`); chosen by
+                ``attention_impl``; xla under a mesh
   matmul        xla: XLA's own Triton GEMMs streamed the decode step's     xla
                 weights faster than the skinny-matmul kernel at every
                 Qwen3-8B projection but one on an H200 (BENCHMARKS.md)
@@ -41,6 +45,9 @@ from ddtree_jax.verify import result_from_path, verify_from_coins
 from pallas_kernels import configs
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference
+from pallas_kernels.qk_norm_rope import qk_norm_rope
+from pallas_kernels.qk_norm_rope import kernel_supports as qk_norm_rope_supports
+from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
 from pallas_kernels.tree_attention import kernel_supports, tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_sampling import SamplerConfig, tree_sample
@@ -94,6 +101,23 @@ def _where_supported(kernel):
         fn = kernel if kernel_supports(q_BNHD, k) else tree_attention_reference
         return fn(q_BNHD, k, v, lengths_B, mask_BNM, scale=scale, layer=layer)
     return attend
+
+
+def qk_norm_rope_fn(impl: str, mesh: Mesh | None = None):
+    """The q/k/v split, q/k RMSNorm and RoPE of ``impl`` (the models pass their ``attention_impl``),
+    with the signature of ``qk_norm_rope_reference``. The kernel runs where it applies
+    (`qk_norm_rope.kernel_supports`, decided when traced) and without a mesh; elsewhere, and under a
+    mesh (where XLA partitions the jnp step over the heads), the reference."""
+    impl = check_impl("attention_impl", impl)
+    if impl == "xla" or mesh is not None or (impl == "auto" and not pallas_gpu()):
+        return qk_norm_rope_reference
+    kernel = functools.partial(qk_norm_rope, interpret=impl == "interpret")
+
+    def split_norm_rotate(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads, kv_heads, eps):
+        fn = kernel if qk_norm_rope_supports(qkv_BNC, heads, kv_heads) else qk_norm_rope_reference
+        return fn(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads=heads, kv_heads=kv_heads, eps=eps)
+
+    return split_norm_rotate
 
 
 def matmul_fn(impl: str, mesh: Mesh | None = None):

@@ -1,6 +1,8 @@
 """Target and drafter forwards at Qwen3-8B shapes (random bf16 weights) against the HBM roofline.
 
-Per matmul implementation (``--matmul-impls``), batch and context: the target forward of one token
+Per matmul implementation (``--matmul-impls``), attention implementation (``--attention-impls``:
+``auto`` is the tree-attention and q/k norm + RoPE kernels on a GPU, ``xla`` both references), batch
+and context: the target forward of one token
 (the decode step's forward) and of N tree nodes (``--nodes``), and the drafter forward (context
 append + block + LM head); with ``--command-buffers`` each forward is also compiled with XLA's
 command buffers for fusions, library calls and custom calls (the Pallas kernels), so that the step
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import functools
+import itertools
 import json
 import sys
 import time
@@ -40,24 +43,26 @@ def filled_cache(cfg, layers, batch, context, slots, dtype):
     return KVCache(cache.k, cache.v, jnp.full((batch,), context, jnp.int32))
 
 
-def target_runner(target, batch, context, nodes, impl, options):
+def target_runner(target, batch, context, nodes, impl, options, attention="auto"):
     cfg = target.config
     cache = filled_cache(cfg, cfg.num_hidden_layers, batch, context, context + nodes + 1, target.dtype)
     tokens = jnp.zeros((batch, nodes), jnp.int32)
     positions = context + jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32), (batch, nodes))
     # A chain-shaped ancestor mask has the same cost as any tree mask of n nodes.
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((nodes, nodes), bool)), (batch, nodes, nodes))
-    fn = jax.jit(functools.partial(target_forward, attention_impl="auto", matmul_impl=impl), compiler_options=options)
+    fn = jax.jit(functools.partial(target_forward, attention_impl=attention, matmul_impl=impl),
+                 compiler_options=options)
     return fn, (target, tokens, positions, mask, cache)
 
 
-def drafter_runner(target, drafter, batch, context, impl, options):
+def drafter_runner(target, drafter, batch, context, impl, options, attention="auto"):
     dc = drafter.config
     cache = filled_cache(dc, dc.num_hidden_layers, batch, context, context + 2 * dc.block_size + 1, drafter.dtype)
     feats = jnp.zeros((batch, dc.block_size, dc.num_features), drafter.dtype)
     positions = context + jnp.broadcast_to(jnp.arange(dc.block_size, dtype=jnp.int32), (batch, dc.block_size))
     count = jnp.full((batch,), 4, jnp.int32)
-    fn = jax.jit(functools.partial(drafter_forward, attention_impl="auto", matmul_impl=impl), compiler_options=options)
+    fn = jax.jit(functools.partial(drafter_forward, attention_impl=attention, matmul_impl=impl),
+                 compiler_options=options)
     return fn, (drafter, target, cache, feats, positions, count, jnp.zeros((batch,), jnp.int32),
                 jnp.full((batch,), context + 4, jnp.int32))
 
@@ -66,6 +71,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b")
     ap.add_argument("--matmul-impls", default="xla,pallas")
+    ap.add_argument("--attention-impls", default="auto", help="comma-separated: auto, xla, pallas")
     ap.add_argument("--batches", default="1")
     ap.add_argument("--contexts", default="1024")
     ap.add_argument("--nodes", default="16,64")
@@ -84,14 +90,15 @@ def main(argv=None):
     jobs = []
     for batch in (int(b) for b in args.batches.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
-            for impl in args.matmul_impls.split(","):
+            for impl, attention in itertools.product(args.matmul_impls.split(","), args.attention_impls.split(",")):
                 for options, variant in variants:
-                    key = dict(batch=batch, context=context, matmul_impl=impl, variant=variant)
+                    key = dict(batch=batch, context=context, matmul_impl=impl, attention_impl=attention,
+                               variant=variant)
                     jobs += [(dict(key, forward=f"verify N={n}" if n > 1 else "decode", nodes=n),
-                              target_runner(target, batch, context, n, impl, options))
+                              target_runner(target, batch, context, n, impl, options, attention))
                              for n in [1] + [int(n) for n in args.nodes.split(",") if n]]
                     jobs.append((dict(key, forward="drafter", nodes=0),
-                                 drafter_runner(target, drafter, batch, context, impl, options)))
+                                 drafter_runner(target, drafter, batch, context, impl, options, attention)))
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # XLA and Triton compile outside the GIL
         compiled = list(pool.map(lambda job: job[1][0].lower(*job[1][1]).compile(), jobs))
@@ -107,7 +114,8 @@ def main(argv=None):
             row["profile"] = profiling.device_op_times(lambda fn=fn, fargs=fargs: fn(*fargs)[0])
             print(profiling.format_summary(row["profile"], ops=12), flush=True)
         rows.append(row)
-        print(f"batch {row['batch']} ctx {row['context']} {row['matmul_impl']:6s} {row['variant']:15s} "
+        print(f"batch {row['batch']} ctx {row['context']} {row['matmul_impl']:6s} {row['attention_impl']:6s} "
+              f"{row['variant']:15s} "
               f"{row['forward']:>12}: {ms:8.2f} ms  {ms / roofline_ms:5.2f}x roofline", flush=True)
         args.out.write_text(json.dumps(dict(meta=meta(args, roofline_ms), rows=rows), indent=1))
     print(f"wrote {args.out}")

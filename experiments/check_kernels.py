@@ -15,6 +15,9 @@ device, over shapes too large for the CPU.
 - ``matmul``: the skinny-matmul kernel (the device's policy configs) against its reference on
   Qwen3-8B's projections with their prologue and epilogues at M = 1, 16, 65, 520 and on ragged
   shapes; within bf16 rounding of the float32-accumulated reference.
+- ``rope``: the q/k norm + RoPE kernel (``kernels.qk_norm_rope_fn("pallas")``) against its reference
+  at Qwen3-8B and Qwen3-30B-A3B heads, decode, verify and prefill rows, positions to 128k, bf16 and
+  fp32; ``v`` must be identical, ``q`` and ``k`` within one bf16 rounding (2e-5 in fp32).
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
 """
@@ -36,6 +39,7 @@ from ddtree_jax.verify import verify_from_coins
 from experiments.bench_kernels import compare_results, fused_sampler, sampling_inputs
 from pallas_kernels.configs import tree_attention_config
 from pallas_kernels.matmul_reference import matmul_reference
+from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
@@ -117,6 +121,35 @@ def check_matmul(interpret=False, cases=MATMUL_CASES):
             err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
             ok = bool(np.isfinite(out).all() and err <= 2e-2 * max(scale, 1))
             return dict(max_abs_err=err, ref_scale=scale, ok=ok)
+
+        records.append(_run_case(record, check))
+    return records
+
+
+# (batch, rows per request, heads, kv_heads, dtype)
+ROPE_CASES = [(1, 1, 32, 8, "bfloat16"), (1, 65, 32, 8, "bfloat16"), (8, 17, 32, 4, "bfloat16"),
+              (2, 1024, 32, 8, "bfloat16"), (3, 33, 32, 8, "float32")]
+
+
+def check_rope(interpret=False, cases=ROPE_CASES, head_dim=128):
+    """The q/k norm + RoPE kernel (``kernels.qk_norm_rope_fn("pallas")``, or interpreted) against its
+    reference."""
+    split_norm_rotate = kernels.qk_norm_rope_fn("interpret" if interpret else "pallas")
+    records = []
+    for seed, (batch, num, heads, kv_heads, dtype) in enumerate(cases):
+        keys = jax.random.split(jax.random.key(seed), 4)
+        qkv = (3 * jax.random.normal(keys[0], (batch, num, (heads + 2 * kv_heads) * head_dim))).astype(dtype)
+        norms = [(1 + 0.2 * jax.random.normal(key, (head_dim,))).astype(dtype) for key in keys[1:3]]
+        tables = rope_tables(jax.random.randint(keys[3], (batch, num), 0, 131072), head_dim, 1e6)
+        args, kwargs = (qkv, *norms, *tables), dict(heads=heads, kv_heads=kv_heads, eps=1e-6)
+        record = dict(part="rope", batch=batch, rows=num, heads=heads, kv_heads=kv_heads, dtype=dtype)
+
+        def check(args=args, kwargs=kwargs, tol=2e-5 if dtype == "float32" else 1e-2):
+            outs = [np.asarray(x, np.float32) for x in split_norm_rotate(*args, **kwargs)]
+            refs = [np.asarray(x, np.float32) for x in qk_norm_rope_reference(*args, **kwargs)]
+            errs = [float(np.abs(o - r).max()) for o, r in zip(outs, refs, strict=True)]
+            ok = all(np.isfinite(o).all() for o in outs) and max(errs[:2]) <= tol * 4 and errs[2] == 0
+            return dict(max_abs_err_q=errs[0], max_abs_err_k=errs[1], max_abs_err_v=errs[2], ok=bool(ok))
 
         records.append(_run_case(record, check))
     return records
@@ -206,16 +239,18 @@ def main(argv=None):
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--backends", default="triton",
                         help="comma-separated tree-attention backends to check: triton, mosaic")
-    parser.add_argument("--parts", default="attention,sampling,matmul", help="attention, sampling and/or matmul")
+    parser.add_argument("--parts", default="attention,sampling,matmul,rope",
+                        help="attention, sampling, matmul and/or rope")
     args = parser.parse_args(argv)
     backends = tuple(args.backends.split(","))
     if not set(backends) <= {"triton", "mosaic"}:
         raise ValueError(f"--backends must list triton and/or mosaic, got {args.backends!r}")
     parts = args.parts.split(",")
-    if not set(parts) <= {"attention", "sampling", "matmul"}:
-        raise ValueError(f"--parts must list attention, sampling and/or matmul, got {args.parts!r}")
+    if not set(parts) <= {"attention", "sampling", "matmul", "rope"}:
+        raise ValueError(f"--parts must list attention, sampling, matmul and/or rope, got {args.parts!r}")
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
-    checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul)
+    checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul,
+                  rope=check_rope)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,12 @@ from ddtree_jax.models import (
 VOCAB, BLOCK = 61, 5
 
 
-def make_pair(tied=False, seed=0):
+def make_pair(tied=False, seed=0, head_dim=8):
     target_cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
                              rope_theta=10000.0)
     drafter_cfg = DFlashConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=1, head_dim=8, block_size=BLOCK,
+                               num_attention_heads=4, num_key_value_heads=1, head_dim=head_dim, block_size=BLOCK,
                                target_layer_ids=(0, 2), mask_token_id=VOCAB - 1, num_target_layers=3,
                                rope_theta=10000.0)
     key_t, key_d = jax.random.split(jax.random.key(seed))
@@ -225,5 +225,19 @@ def test_matmul_kernel_drafter_equals_the_xla_drafter():
     args = (taps, positions, jnp.array([4, 2], jnp.int32), jnp.array([3, 5], jnp.int32), jnp.array([4, 2], jnp.int32))
     outs = {impl: drafter_forward(drafter, target, init_cache(2, 2, 1, 20, 8, jnp.float32), *args, matmul_impl=impl)
             for impl in ("xla", "interpret")}
+    np.testing.assert_allclose(outs["interpret"][0], outs["xla"][0], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(outs["interpret"][1].k, outs["xla"][1].k, atol=2e-5, rtol=2e-5)
+
+
+def test_attention_kernels_drafter_equals_the_xla_drafter():
+    """The drafting step with the interpreted attention kernels (the q/k norm + RoPE kernel and tree
+    attention over the cache, both chosen by ``attention_impl``) equals the XLA path."""
+    drafter, target = make_pair(head_dim=16)
+    rng = np.random.default_rng(3)
+    taps = jnp.asarray(rng.normal(size=(2, 4, drafter.config.num_features)).astype(np.float32))
+    positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    args = (taps, positions, jnp.array([4, 2], jnp.int32), jnp.array([3, 5], jnp.int32), jnp.array([4, 2], jnp.int32))
+    outs = {impl: drafter_forward(drafter, target, init_cache(2, 2, 1, 20, 16, jnp.float32), *args,
+                                  attention_impl=impl) for impl in ("xla", "interpret")}
     np.testing.assert_allclose(outs["interpret"][0], outs["xla"][0], atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(outs["interpret"][1].k, outs["xla"][1].k, atol=2e-5, rtol=2e-5)

@@ -97,3 +97,41 @@ def test_auto_sampler_is_the_fused_kernel_only_on_a_gpu_without_a_mesh(monkeypat
     assert kernels.sampler_fn("auto", make_mesh(tp=1, dp=1)) is verify_from_coins
     with pytest.raises(ValueError, match="sampler_impl must be one of"):
         kernels.sampler_fn("triton")
+
+
+def _rope_args(head_dim=16):
+    from pallas_kernels.qk_norm_rope_reference import rope_tables
+    qkv = jax.random.normal(jax.random.key(0), (2, 3, 8 * head_dim))
+    tables = rope_tables(jnp.arange(6).reshape(2, 3), head_dim, 10000.0)
+    return (qkv, 1.0 + jnp.arange(head_dim) / head_dim, 1.0 - jnp.arange(head_dim) / (2 * head_dim), *tables)
+
+
+def test_qk_norm_rope_follows_the_attention_switch(monkeypatch):
+    from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
+    assert kernels.qk_norm_rope_fn("auto") is qk_norm_rope_reference
+    assert kernels.qk_norm_rope_fn("xla") is qk_norm_rope_reference
+    from ddtree_jax.sharding import make_mesh
+    assert kernels.qk_norm_rope_fn("interpret", make_mesh(1, 1)) is qk_norm_rope_reference
+    calls = []
+    monkeypatch.setattr(kernels, "qk_norm_rope", lambda *a, interpret, **kw: calls.append(interpret) or "triton")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
+    kwargs = dict(heads=4, kv_heads=2, eps=1e-6)
+    assert kernels.qk_norm_rope_fn("auto")(*_rope_args(), **kwargs) == "triton"
+    assert kernels.qk_norm_rope_fn("pallas")(*_rope_args(), **kwargs) == "triton"
+    assert calls == [False, False]
+    args = _rope_args(head_dim=24)  # head_dim / 2 = 12: not a power of two, so the reference
+    out = kernels.qk_norm_rope_fn("auto")(*args, **kwargs)
+    for got, want in zip(out, qk_norm_rope_reference(*args, **kwargs), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert calls == [False, False]
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        kernels.qk_norm_rope_fn("cuda")
+
+
+def test_interpreted_qk_norm_rope_equals_the_reference():
+    from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
+    kwargs = dict(heads=4, kv_heads=2, eps=1e-6)
+    for got, want in zip(kernels.qk_norm_rope_fn("interpret")(*_rope_args(), **kwargs),
+                         qk_norm_rope_reference(*_rope_args(), **kwargs), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)

@@ -175,18 +175,20 @@ def test_tree_verify_equals_sequential_decoding_and_commit(moe):
         np.testing.assert_allclose(committed.v[:, b, :, :length], sequential.v[:, b, :, :length], atol=1e-5)
 
 
-def kernel_operand_shapes(jaxpr) -> list[list[tuple]]:
-    """The operand shapes of every Pallas call in ``jaxpr`` (nested jaxprs walked)."""
+def kernel_operand_shapes(jaxpr, name) -> list[list[tuple]]:
+    """The operand shapes of every Pallas call of kernel ``name`` in ``jaxpr`` (nested jaxprs walked)."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            found.append([tuple(v.aval.shape) for v in eqn.invars])
+            info = eqn.params.get("name", eqn.params.get("name_and_src_info"))  # the key differs across versions
+            if getattr(info, "name", info) == name:
+                found.append([tuple(v.aval.shape) for v in eqn.invars])
             continue
         for param in eqn.params.values():
             for sub in param if isinstance(param, (list, tuple)) else [param]:
                 sub = getattr(sub, "jaxpr", sub)
                 if hasattr(sub, "eqns"):
-                    found += kernel_operand_shapes(sub)
+                    found += kernel_operand_shapes(sub, name)
     return found
 
 
@@ -199,9 +201,11 @@ def test_attention_kernel_reads_the_stacked_cache_in_place():
     positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
     forward = lambda c: target_forward(target, jnp.zeros((2, 3), jnp.int32), positions, causal(2, 3), c,  # noqa: E731
                                        attention_impl="interpret")
-    calls = kernel_operand_shapes(jax.make_jaxpr(forward)(cache).jaxpr)
+    jaxpr = jax.make_jaxpr(forward)(cache).jaxpr
+    calls = kernel_operand_shapes(jaxpr, "tree_attention")
     assert len(calls) == cfg.num_hidden_layers
     assert all(shapes.count(cache.k.shape) == 2 for shapes in calls), calls
+    assert len(kernel_operand_shapes(jaxpr, "qk_norm_rope")) == cfg.num_hidden_layers
 
 
 def test_forward_under_jit_and_bf16_close_to_fp32():
@@ -266,9 +270,11 @@ def test_bad_inputs_raise_clear_errors():
     assert out.shape == (2, 3, VOCAB)
 
 
-def test_matmul_kernel_forward_equals_the_xla_forward():
-    """Prefill then decode with every projection (norm prologues, fused q/k/v, SwiGLU, LM head) on the
-    interpreted skinny-matmul kernel: the same logits, taps and cache as the XLA path."""
+@pytest.mark.parametrize("switch", ["matmul_impl", "attention_impl"])
+def test_kernel_forward_equals_the_xla_forward(switch):
+    """A prefill with every projection (norm prologues, fused q/k/v, SwiGLU, LM head) on the interpreted
+    skinny-matmul kernel, or with the attention kernels (q/k norm + RoPE, tree attention): the same
+    logits, taps and cache as the XLA path."""
     target = small_target()
     cfg = target.config
     outs = {}
@@ -277,7 +283,7 @@ def test_matmul_kernel_forward_equals_the_xla_forward():
         ids = jnp.asarray(np.random.default_rng(5).integers(0, VOCAB, (2, 5)), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
         logits, taps, cache = target_forward(target, ids, positions, causal(2, 5), cache, tap_layers=(0, 1),
-                                             matmul_impl=impl)
+                                             **{switch: impl})
         outs[impl] = (logits, taps, cache.k, cache.v)
     for xla, kernel in zip(outs["xla"], outs["interpret"]):
         np.testing.assert_allclose(np.asarray(kernel), np.asarray(xla), atol=2e-5, rtol=2e-5)

@@ -20,6 +20,7 @@ import jax
 # (kind, substrings of a lower-cased op or kernel name), first match wins
 KINDS = (
     ("tree attention kernel", ("tree_attention",)),
+    ("q/k norm + RoPE kernel", ("qk_norm_rope",)),
     ("fused sampler", ("tree_sample",)),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "dot")),
     ("data movement", ("copy", "scatter", "dynamic_update_slice", "dynamic-update-slice", "memcpy", "memset",

@@ -32,6 +32,7 @@ from ddtree_jax.models.qwen3 import (
 )
 from ddtree_jax.sharding import check_mesh
 from pallas_kernels.matmul_reference import matmul_reference
+from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +133,11 @@ def _block_tokens(cfg: DFlashConfig, root_tokens_B):
     return jnp.concatenate([root_tokens_B[:, None].astype(jnp.int32), masks_BL], axis=1)
 
 
-def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state, matmul=matmul_reference):
+def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state, matmul=matmul_reference,
+               qk_norm_rope=qk_norm_rope_reference):
     x_BQD = target.params.embed[block_tokens_BQ].astype(drafter.dtype)
     x_BQD, _, state = L.run_decoder(drafter.params.layers, L.layer_shape(drafter.config), x_BQD,
-                                    block_positions_BQ, attend, state, matmul=matmul)
+                                    block_positions_BQ, attend, state, matmul=matmul, qk_norm_rope=qk_norm_rope)
     return x_BQD, state
 
 
@@ -208,7 +210,8 @@ def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ct
     block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]
     attend = L.cached_attend(jnp.ones((batch, cfg.block_size, cfg.block_size), bool), cfg.head_dim ** -0.5,
                              attention_impl, mesh, split_heads=False)
-    hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache, matmul)
+    hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache, matmul,
+                                   kernels.qk_norm_rope_fn(attention_impl, mesh))
     return drafter_head(drafter, target, hidden_BQD[:, 1:], matmul), cache
 
 

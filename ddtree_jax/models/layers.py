@@ -17,6 +17,7 @@ from ddtree_jax import kernels
 from ddtree_jax.models.cache import KVCache, write_scratch
 from ddtree_jax.models.params import DecoderLayer
 from pallas_kernels.matmul_reference import matmul_reference, rms_norm
+from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables, rotate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,52 +52,31 @@ def project(matmul, x_BNK, w_KN, *, residual_BNM=None, **kwargs):
     return matmul(x_BNK.reshape(batch * num, -1), w_KN, residual_MN=residual_MN, **kwargs).reshape(batch, num, -1)
 
 
-def rope(x_BNHD, positions_BN, theta):
-    """Rotate-half (NeoX) rotary embedding of ``x [B, N, H, D]`` at integer ``positions [B, N]``.
-
-    Pair ``(x[i], x[i + D/2])`` is rotated by angle ``pos * theta ** (-2i / D)``.
-    """
-    half = x_BNHD.shape[-1] // 2
-    inv_freq_F = 1.0 / (theta ** (np.arange(half, dtype=np.float32) * 2.0 / x_BNHD.shape[-1]))
-    angle_BNF = positions_BN.astype(jnp.float32)[..., None] * inv_freq_F
-    cos_BN1F, sin_BN1F = jnp.cos(angle_BNF)[:, :, None], jnp.sin(angle_BNF)[:, :, None]
-    x32 = x_BNHD.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
-    rotated = jnp.concatenate([x1 * cos_BN1F - x2 * sin_BN1F, x2 * cos_BN1F + x1 * sin_BN1F], -1)
-    return rotated.astype(x_BNHD.dtype)
-
-
 def key_value(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape, matmul=matmul_reference):
     """Keys and values of inputs ``x [B, N, D]`` from the k/v columns of ``wqkv`` (read in place).
 
     Returns ``k_BNKD`` (k_norm then RoPE at ``positions``) and ``v_BNKD``. The DFlash drafter
     uses this alone for its context features, which have no queries.
     """
-    q_cols = shape.num_attention_heads * shape.head_dim
+    q_cols, kv_cols = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
     kv_BNC = project(matmul, x_BND, layer.wqkv, columns=(q_cols, layer.wqkv.shape[1]))
-    return _rotated_key_value(layer, kv_BNC, positions_BN, shape)
+    k_BNKD = kv_BNC[..., :kv_cols].reshape(*x_BND.shape[:2], -1, shape.head_dim)
+    v_BNKD = kv_BNC[..., kv_cols:].reshape(*x_BND.shape[:2], -1, shape.head_dim)
+    tables = rope_tables(positions_BN, shape.head_dim, shape.rope_theta)
+    return rotate(rms_norm(k_BNKD, layer.k_norm, shape.rms_norm_eps), *tables), v_BNKD
 
 
-def _rotated_key_value(layer: DecoderLayer, kv_BNC, positions_BN, shape: LayerShape):
-    """Split ``[k | v]`` columns into heads; k_norm then RoPE on the keys."""
-    batch, num, kv_cols = kv_BNC.shape[0], kv_BNC.shape[1], shape.num_key_value_heads * shape.head_dim
-    k_BNKD = kv_BNC[..., :kv_cols].reshape(batch, num, -1, shape.head_dim)
-    v_BNKD = kv_BNC[..., kv_cols:].reshape(batch, num, -1, shape.head_dim)
-    k_BNKD = rope(rms_norm(k_BNKD, layer.k_norm, shape.rms_norm_eps), positions_BN, shape.rope_theta)
-    return k_BNKD, v_BNKD
-
-
-def attention_inputs(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape, matmul=matmul_reference):
+def attention_inputs(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=matmul_reference,
+                     qk_norm_rope=qk_norm_rope_reference):
     """Input norm and the fused q/k/v projection of a decoder layer (one product, the norm as its
-    prologue), then q/k RMSNorm and RoPE.
+    prologue), then q/k RMSNorm and RoPE by ``qk_norm_rope`` (a `kernels.qk_norm_rope_fn`) with
+    ``rope_BNF``, the forward's ``(cos, sin)`` `rope_tables`.
 
     Returns ``q_BNHD, k_BNKD, v_BNKD`` (H query heads, K key/value heads).
     """
     qkv_BNC = project(matmul, x_BND, layer.wqkv, norm_K=layer.input_norm, eps=shape.rms_norm_eps)
-    q_cols = shape.num_attention_heads * shape.head_dim
-    q_BNHD = qkv_BNC[..., :q_cols].reshape(*x_BND.shape[:2], -1, shape.head_dim)
-    q_BNHD = rope(rms_norm(q_BNHD, layer.q_norm, shape.rms_norm_eps), positions_BN, shape.rope_theta)
-    return (q_BNHD, *_rotated_key_value(layer, qkv_BNC[..., q_cols:], positions_BN, shape))
+    return qk_norm_rope(qkv_BNC, layer.q_norm, layer.k_norm, *rope_BNF, heads=shape.num_attention_heads,
+                        kv_heads=shape.num_key_value_heads, eps=shape.rms_norm_eps)
 
 
 def dense_mlp(layer: DecoderLayer, x_BND, shape: LayerShape, matmul=matmul_reference):
@@ -151,19 +131,21 @@ def packed_attend(mask_BNM, row_M, slot_M, scale, impl: str = "xla", mesh=None):
 
 
 def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=(),
-                matmul=matmul_reference, mlp=dense_mlp):
+                matmul=matmul_reference, mlp=dense_mlp, qk_norm_rope=qk_norm_rope_reference):
     """Run decoder layers on ``x [B, N, D]``; only the attention and the MLP differ between callers.
 
     ``attend(i, q_BNHD, k_BNKD, v_BNKD, state) -> (out_BNHD, state)`` does layer i's attention
     (and any cache writes, threaded through ``state``); ``matmul`` (a `kernels.matmul_fn`) does
-    the projections; ``mlp`` the MLP block (see `layer_output`). Returns the final hidden
+    the projections; ``mlp`` the MLP block (see `layer_output`); ``qk_norm_rope`` (a
+    `kernels.qk_norm_rope_fn`) the q/k norms and RoPE, with RoPE tables computed once. Returns the final hidden
     ``[B, N, D]`` (before the final norm), the list of hidden states after each layer id in
     ``tap_layers`` (in that order) and the state.
     """
     taps = {}
+    rope_BNF = rope_tables(positions_BN, shape.head_dim, shape.rope_theta)
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer_{i}"):
-            q_BNHD, k_BNKD, v_BNKD = attention_inputs(layer, x_BND, positions_BN, shape, matmul)
+            q_BNHD, k_BNKD, v_BNKD = attention_inputs(layer, x_BND, rope_BNF, shape, matmul, qk_norm_rope)
             attn_BNHD, state = attend(i, q_BNHD, k_BNKD, v_BNKD, state)
             x_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul, mlp)
         taps[i] = x_BND

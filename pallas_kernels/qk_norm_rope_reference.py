@@ -1,0 +1,56 @@
+"""What happens between a layer's q/k/v projection and its attention, in plain jnp.
+
+Qwen3 normalises every query and key head with RMSNorm over ``head_dim`` (one weight for the
+queries, one for the keys), then rotates it with RoPE (rotate-half / NeoX pairing); values pass
+through. The rotation angles depend on the positions only, so a forward computes them once
+(`rope_tables`) and every layer reuses them. This is the models' code and the contract of the fused
+kernel in ``qk_norm_rope.py``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.matmul_reference import rms_norm
+
+
+def rope_tables(positions_BN, head_dim: int, theta: float):
+    """RoPE ``cos, sin`` tables, float32 ``[B, N, head_dim / 2]``: pair ``(x[i], x[i + D/2])`` of a
+    head at integer position ``p`` turns by angle ``p * theta ** (-2i / D)``."""
+    half = head_dim // 2
+    inv_freq_F = 1.0 / (theta ** (np.arange(half, dtype=np.float32) * 2.0 / head_dim))
+    angle_BNF = positions_BN.astype(jnp.float32)[..., None] * inv_freq_F
+    return jnp.cos(angle_BNF), jnp.sin(angle_BNF)
+
+
+def rotate(x_BNHD, cos_BNF, sin_BNF):
+    """RoPE of ``x [B, N, H, D]`` by `rope_tables` ``[B, N, D / 2]``, in float32, rounded back to
+    ``x``'s dtype."""
+    half = x_BNHD.shape[-1] // 2
+    cos_BN1F, sin_BN1F = cos_BNF[:, :, None], sin_BNF[:, :, None]
+    x32 = x_BNHD.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    rotated = jnp.concatenate([x1 * cos_BN1F - x2 * sin_BN1F, x2 * cos_BN1F + x1 * sin_BN1F], -1)
+    return rotated.astype(x_BNHD.dtype)
+
+
+def qk_norm_rope_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads: int, kv_heads: int,
+                           eps: float):
+    """Split a fused projection into heads, q/k RMSNorm then RoPE.
+
+    Args:
+      qkv_BNC: ``[B, N, (heads + 2 kv_heads) * D]``, columns ``[q | k | v]``.
+      q_norm_D, k_norm_D: ``[D]`` RMSNorm weights of the query and key heads.
+      cos_BNF, sin_BNF: float32 ``[B, N, D / 2]`` (`rope_tables`).
+
+    Returns:
+      ``q [B, N, heads, D]``, ``k [B, N, kv_heads, D]`` (normalised and rotated) and
+      ``v [B, N, kv_heads, D]``, in ``qkv``'s dtype.
+    """
+    batch, num, cols = qkv_BNC.shape
+    head_dim = cols // (heads + 2 * kv_heads)
+    qkv_BNXD = qkv_BNC.reshape(batch, num, heads + 2 * kv_heads, head_dim)
+    q_BNHD = rotate(rms_norm(qkv_BNXD[:, :, :heads], q_norm_D, eps), cos_BNF, sin_BNF)
+    k_BNKD = rotate(rms_norm(qkv_BNXD[:, :, heads:heads + kv_heads], k_norm_D, eps), cos_BNF, sin_BNF)
+    return q_BNHD, k_BNKD, qkv_BNXD[:, :, heads + kv_heads:]

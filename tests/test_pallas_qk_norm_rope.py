@@ -1,0 +1,119 @@
+"""The q/k norm + RoPE kernel vs its jnp reference (Pallas interpreter on CPU) and its Triton lowering."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.lowering import verified_triton_modules
+from pallas_kernels.matmul_reference import rms_norm
+from pallas_kernels.qk_norm_rope import _qk_norm_rope, kernel_supports, qk_norm_rope
+from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables, rotate
+
+
+def operands(seed, batch, num, heads, kv_heads, head_dim, dtype=jnp.float32, max_position=4096):
+    k = jax.random.split(jax.random.key(seed), 4)
+    qkv = (3.0 * jax.random.normal(k[0], (batch, num, (heads + 2 * kv_heads) * head_dim))).astype(dtype)
+    q_norm, k_norm = ((1.0 + 0.2 * jax.random.normal(key, (head_dim,))).astype(dtype) for key in k[1:3])
+    positions = jax.random.randint(k[3], (batch, num), 0, max_position)
+    return qkv, q_norm, k_norm, *rope_tables(positions, head_dim, 10000.0)
+
+
+def assert_close(outs, refs, dtype):
+    tol = 2e-6 if dtype == jnp.float32 else 1e-2
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 3), num=st.integers(1, 9), log_heads=st.integers(0, 3), log_kv=st.integers(0, 2),
+       log_half=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_interpret_matches_reference(batch, num, log_heads, log_kv, log_half, seed):
+    heads, kv_heads, head_dim = 1 << log_heads, 1 << log_kv, 2 << log_half
+    args = operands(seed, batch, num, heads, kv_heads, head_dim)
+    kwargs = dict(heads=heads, kv_heads=kv_heads, eps=1e-6)
+    assert_close(qk_norm_rope(*args, interpret=True, **kwargs), qk_norm_rope_reference(*args, **kwargs), jnp.float32)
+
+
+def test_bf16_at_qwen3_head_shapes():
+    """Qwen3-8B heads (32 query, 8 key/value, head_dim 128): bfloat16 results within one rounding."""
+    args = operands(1, 2, 3, 32, 8, 128, jnp.bfloat16)
+    kwargs = dict(heads=32, kv_heads=8, eps=1e-6)
+    outs = qk_norm_rope(*args, interpret=True, **kwargs)
+    refs = qk_norm_rope_reference(*args, **kwargs)
+    assert_close(outs, refs, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(outs[2]), np.asarray(refs[2]))  # v is copied
+
+
+def test_reference_is_norm_then_rotation_of_each_head():
+    """The contract itself, checked against NumPy: head h of q is RMSNorm(q_h) * q_norm rotated by
+    angle ``p * theta ** (-2i / D)`` on pairs ``(i, i + D / 2)``; v is the last columns."""
+    heads, kv_heads, head_dim = 2, 1, 8
+    qkv, q_norm, k_norm, cos, sin = operands(7, 1, 2, heads, kv_heads, head_dim)
+    positions = np.array([[5, 301]])
+    cos, sin = rope_tables(jnp.asarray(positions), head_dim, 10000.0)
+    q, k, v = qk_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, heads=heads, kv_heads=kv_heads, eps=1e-6)
+    x = np.asarray(qkv, np.float64).reshape(1, 2, 4, head_dim)
+    angle = positions[..., None] * 10000.0 ** (-np.arange(4) * 2 / head_dim)
+
+    def expect(h, weight):
+        y = x[:, :, h] / np.sqrt(np.mean(x[:, :, h] ** 2, -1, keepdims=True) + 1e-6) * np.asarray(weight)
+        y1, y2 = y[..., :4], y[..., 4:]
+        return np.concatenate([y1 * np.cos(angle) - y2 * np.sin(angle), y2 * np.cos(angle) + y1 * np.sin(angle)], -1)
+
+    for h in range(heads):
+        np.testing.assert_allclose(np.asarray(q[:, :, h]), expect(h, q_norm), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(k[:, :, 0]), expect(2, k_norm), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(v[:, :, 0]), x[:, :, 3].astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(rotate(rms_norm(qkv.reshape(1, 2, 4, 8)[:, :, :2], q_norm, 1e-6), cos,
+                                                    sin)), np.asarray(q))
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, ok", [(32, 8, 128, True), (40, 8, 128, False),
+                                                           (8, 2, 40, False), (4, 1, 2, True)])
+def test_kernel_supports_powers_of_two(heads, kv_heads, head_dim, ok):
+    qkv = jax.ShapeDtypeStruct((1, 1, (heads + 2 * kv_heads) * head_dim), jnp.bfloat16)
+    assert kernel_supports(qkv, heads, kv_heads) is ok
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(heads=5), "qkv_BNC must be"), (dict(heads=40, kv_heads=8, cols=56 * 128, dim=128), "powers of two"),
+    (dict(q_norm_shape=(7,)), "q_norm_D must be"), (dict(cos_dtype=jnp.bfloat16), "cos_BNF must be float32"),
+])
+def test_invalid_operands(change, match):
+    heads, kv_heads = change.get("heads", 4), change.get("kv_heads", 2)
+    dim = change.get("dim", 16)
+    qkv = jnp.zeros((1, 2, change.get("cols", 8 * 16)), jnp.float32)
+    norm = jnp.ones(change.get("q_norm_shape", (dim,)), jnp.float32)
+    table = jnp.zeros((1, 2, dim // 2), change.get("cos_dtype", jnp.float32))
+    with pytest.raises(ValueError, match=match):
+        qk_norm_rope(qkv, norm, jnp.ones((dim,)), table, jnp.zeros((1, 2, dim // 2)), heads=heads, kv_heads=kv_heads,
+                     eps=1e-6, interpret=True)
+
+
+@pytest.mark.parametrize("batch, num", [(1, 1), (1, 65), (8, 17)])
+def test_lowers_to_valid_triton_ir_at_qwen3_shapes(batch, num):
+    """Qwen3-8B (32/8 heads) and Qwen3-30B-A3B (32/4) heads, decode and verify rows (no GPU needed)."""
+    S = jax.ShapeDtypeStruct
+    for heads, kv_heads in ((32, 8), (32, 4)):
+        args = (S((batch, num, (heads + 2 * kv_heads) * 128), jnp.bfloat16), S((128,), jnp.bfloat16),
+                S((128,), jnp.bfloat16), S((batch, num, 64), jnp.float32), S((batch, num, 64), jnp.float32))
+        fn = functools.partial(_qk_norm_rope, heads=heads, kv_heads=kv_heads, eps=1e-6, interpret=False)
+        assert len(verified_triton_modules(fn, *args)) == 1
+
+
+def test_gpu_equality_script_rope_checks_run_interpreted():
+    """`experiments/check_kernels.py`'s rope part on small cases through the interpreter."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.check_kernels import check_rope
+
+    records = check_rope(interpret=True, cases=[(1, 2, 4, 2, "bfloat16"), (2, 3, 8, 1, "float32")], head_dim=16)
+    assert [r["ok"] for r in records] == [True, True], records
