@@ -15,10 +15,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the s
   ============  =======================================================  =========
   attention     pallas when ``head_dim`` is a power of two >= 16 and       xla
                 q/k/v share a float dtype (`tree_attention.kernel_supports`)
-  q/k norm +    pallas (one kernel for the q/k/v split, the q/k RMSNorms    xla
-  RoPE          and RoPE) when the head counts and ``head_dim / 2`` are
-                powers of two (`qk_norm_rope.kernel_supports`); chosen by
-                ``attention_impl``; xla under a mesh
+  q/k norm +    xla: the one-launch kernel (`qk_norm_rope`, run by         xla
+  RoPE          ``attention_impl="pallas"``) measured no faster than XLA's
+                fusions in a whole Qwen3-8B forward on an H200 (BENCHMARKS.md)
   matmul        xla: XLA's own Triton GEMMs streamed the decode step's     xla
                 weights faster than the skinny-matmul kernel at every
                 Qwen3-8B projection but one on an H200 (BENCHMARKS.md)
@@ -105,11 +104,12 @@ def _where_supported(kernel):
 
 def qk_norm_rope_fn(impl: str, mesh: Mesh | None = None):
     """The q/k/v split, q/k RMSNorm and RoPE of ``impl`` (the models pass their ``attention_impl``),
-    with the signature of ``qk_norm_rope_reference``. The kernel runs where it applies
+    with the signature of ``qk_norm_rope_reference``. ``"auto"`` is the reference everywhere
+    (measured); with ``"pallas"`` or ``"interpret"`` the kernel runs where it applies
     (`qk_norm_rope.kernel_supports`, decided when traced) and without a mesh; elsewhere, and under a
     mesh (where XLA partitions the jnp step over the heads), the reference."""
     impl = check_impl("attention_impl", impl)
-    if impl == "xla" or mesh is not None or (impl == "auto" and not pallas_gpu()):
+    if impl in ("xla", "auto") or mesh is not None:
         return qk_norm_rope_reference
     kernel = functools.partial(qk_norm_rope, interpret=impl == "interpret")
 

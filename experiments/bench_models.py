@@ -1,8 +1,8 @@
 """Target and drafter forwards at Qwen3-8B shapes (random bf16 weights) against the HBM roofline.
 
-Per matmul implementation (``--matmul-impls``), attention implementation (``--attention-impls``:
-``auto`` is the tree-attention and q/k norm + RoPE kernels on a GPU, ``xla`` both references), batch
-and context: the target forward of one token
+Per matmul implementation (``--matmul-impls``), attention implementation (``--attention-impls``: on
+a GPU ``auto`` is the tree-attention kernel, ``pallas`` that and the q/k norm + RoPE kernel, ``xla``
+both references), batch and context: the target forward of one token
 (the decode step's forward) and of N tree nodes (``--nodes``), and the drafter forward (context
 append + block + LM head); with ``--command-buffers`` each forward is also compiled with XLA's
 command buffers for fusions, library calls and custom calls (the Pallas kernels), so that the step

@@ -14,9 +14,8 @@
 # otherwise `sweep_quick.csv`, the quick grid run on a CPU), pools every cell over its prompts with
 # 95% bootstrap intervals, and draws the figures of `ddtree_jax.experiments.plot`. Set `DDTREE_SWEEP_CSV`
 # to read another sweep. Figures go to `$DDTREE_NOTEBOOK_OUT` (default `notebooks/figures/`).
-# The committed full grid was run on an older embedded pair than the shipped one (its date is printed
-# below; `experiments/README.md` says which pair each result comes from); `sweep_quick.csv` and the
-# budget-policy sweeps come from the shipped pair.
+# Every committed sweep (the full grid, `sweep_quick.csv`, the budget-policy sweeps) comes from the
+# shipped embedded pair; the date and command of each run are printed below.
 
 # %%
 import os

@@ -117,14 +117,14 @@ def test_qk_norm_rope_follows_the_attention_switch(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
     kwargs = dict(heads=4, kv_heads=2, eps=1e-6)
-    assert kernels.qk_norm_rope_fn("auto")(*_rope_args(), **kwargs) == "triton"
+    assert kernels.qk_norm_rope_fn("auto") is qk_norm_rope_reference  # measured: not faster on an H200
     assert kernels.qk_norm_rope_fn("pallas")(*_rope_args(), **kwargs) == "triton"
-    assert calls == [False, False]
+    assert calls == [False]
     args = _rope_args(head_dim=24)  # head_dim / 2 = 12: not a power of two, so the reference
-    out = kernels.qk_norm_rope_fn("auto")(*args, **kwargs)
+    out = kernels.qk_norm_rope_fn("pallas")(*args, **kwargs)
     for got, want in zip(out, qk_norm_rope_reference(*args, **kwargs), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert calls == [False, False]
+    assert calls == [False]
     with pytest.raises(ValueError, match="attention_impl must be one of"):
         kernels.qk_norm_rope_fn("cuda")
 
