@@ -15,7 +15,7 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     # XLA attention (what auto picks on a CPU) lets --mesh-check reuse the round compiled for B=4
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
             "--mesh-check", "--profile", "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
-            "--top-k", "5", "--attention-impl", "xla", "--out", str(out)]
+            "--top-k", "5", "--attention-impl", "xla", "--draft-temperature", "0.7", "--out", str(out)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     # progress before every row; no HBM roofline on a CPU
@@ -40,6 +40,7 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
         (t, m) for t in (0.0, 1.0) for m in ("ar", "chain", "ddtree")]
     assert all(r["tau"] >= 1 and r["tokens_per_s"] > 0 for r in embedded)
     assert all(r["tau"] == 1 for r in embedded if r["method"] == "ar")
+    assert all(r["draft_temperature"] == 0.7 for r in embedded)
     assert result["meta"]["settings"]["budgets"] == [4, 8] and result["meta"]["settings"]["top_k"] == 5
 
 
@@ -60,7 +61,7 @@ def test_tiny_shapes_make_every_knob_tiny(tmp_path):
 @pytest.mark.parametrize("flag, value, message", [
     ("--repeats", "0", "--repeats must be >= 1"), ("--top-p", "0", "--top-p must be in"),
     ("--temperature", "-1", "--temperature must be >= 0"), ("--topk-cap", "-2", "--topk-cap must be >= 0"),
-    ("--top-k", "-1", "--top-k must be >= 0"),
+    ("--top-k", "-1", "--top-k must be >= 0"), ("--draft-temperature", "0", "--draft-temperature must be finite"),
 ])
 def test_bench_rejects_bad_flags(tmp_path, flag, value, message):
     with pytest.raises(SystemExit, match=message) as exit_info:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -408,11 +409,12 @@ def bench_embedded(args, emit) -> None:
                 generate = functools.partial(
                     engine.generate, target, drafter, prompts[:batch], method=method, budget=budget,
                     topk_cap=args.topk_cap or None if method == "ddtree" else None,
-                    temperature=temperature, with_expected=False, attention_impl=args.attention_impl,
-                    sampler_impl=args.sampler_impl)
+                    temperature=temperature, draft_temperature=args.draft_temperature, with_expected=False,
+                    attention_impl=args.attention_impl, sampler_impl=args.sampler_impl)
                 res = generate(max_new_tokens=args.new_tokens)  # times the rounds only, not compilation
                 base = base or res.tokens_per_s
-                emit(dict(batch=batch, temperature=temperature, method=method, budget=budget, tau=res.tau,
+                emit(dict(batch=batch, temperature=temperature, draft_temperature=args.draft_temperature,
+                          method=method, budget=budget, tau=res.tau,
                           acceptance_length=res.acceptance_length, tokens_per_s=res.tokens_per_s,
                           speedup_over_ar=res.tokens_per_s / base))
                 print(f"embedded batch {batch} T={temperature:g} {method:>6} B={budget}: tau {res.tau:.2f}, "
@@ -488,6 +490,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedded-batches", type=_ints, help="part 2 batch sizes " + preset("embedded_batches"))
     p.add_argument("--embedded-budgets", type=_ints, help="part 2 DDTree node budgets " + preset("embedded_budgets"))
     p.add_argument("--new-tokens", type=int, help="tokens per request in part 2 " + preset("new_tokens"))
+    p.add_argument("--draft-temperature", type=float, default=1.0,
+                   help="temperature of the draft marginals the chain and DDTree draft from in part 2")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="JSON output")
 
 
@@ -500,7 +504,8 @@ def run_from_args(args) -> int:
     checks.flags(args, [("temperature", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
                         ("top_k", lambda v: v >= 0, ">= 0"), ("topk_cap", lambda v: v >= 0, ">= 0"),
                         ("repeats", lambda v: v >= 1, ">= 1"), ("new_tokens", lambda v: v >= 1, ">= 1"),
-                        ("hbm_tbps", lambda v: v > 0, "> 0")])
+                        ("hbm_tbps", lambda v: v > 0, "> 0"),
+                        ("draft_temperature", lambda v: math.isfinite(v) and v > 0, "finite and > 0")])
     device = jax.devices()[0].device_kind
     print(f"device {device}, jax {jax.__version__}", flush=True)
     result = dict(meta=dict(device=device, backend=jax.default_backend(), jax=jax.__version__,
