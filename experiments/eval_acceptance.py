@@ -84,18 +84,22 @@ def write_rows(out: Path, meta: dict, rows: list[dict]) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path, default=TARGET_DIR)
-    ap.add_argument("--drafter", type=Path, default=DRAFTER_DIR)
-    ap.add_argument("--prompts", type=int, default=100)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--methods", default="ar,chain,ddtree16,ddtree64,ddtree256")
-    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--target", type=Path, default=TARGET_DIR, help="HF-format target directory (default: embedded)")
+    ap.add_argument("--drafter", type=Path, default=DRAFTER_DIR, help="HF-format drafter directory (default: embedded)")
+    ap.add_argument("--prompts", type=int, default=100, help="held-out prompts (default: 100)")
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
+    ap.add_argument("--methods", default="ar,chain,ddtree16,ddtree64,ddtree256",
+                    help="comma-separated: ar, chain, ddtreeB, ddtreeBcapK (default: the five listed)")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated target temperatures (default: 0,1)")
+    ap.add_argument("--draft-temperature", type=float, default=1.0,
+                    help="temperature of the draft marginals the chain and DDTree draft from (default: 1)")
     ap.add_argument("--topk-cap", type=int, default=0, help="DDTree per-depth cap of ddtreeB methods; 0 = none")
-    ap.add_argument("--batch", type=int, default=100, help="prompts per generate call")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=100, help="prompts per generate call (default: 100)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of the coins (default: 0)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results/acceptance"))
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/acceptance"),
+                    help="output path without suffix: .json, .csv and .png are written")
     args = ap.parse_args(argv)
 
     dtype = jnp.dtype(args.dtype)
@@ -111,7 +115,7 @@ def main(argv=None):
         emitted, rounds, expected, seconds = [], [], [], 0.0
         for start in range(0, len(prompts), args.batch):
             res = generate(target, drafter, prompts[start:start + args.batch], method=method, budget=budget,
-                           topk_cap=cap or None, temperature=temperature,
+                           topk_cap=cap or None, temperature=temperature, draft_temperature=args.draft_temperature,
                            max_new_tokens=args.new_tokens, key=jax.random.key(args.seed),
                            request_ids=np.arange(start, start + len(prompts[start:start + args.batch])))
             e, r = per_request_tau(res)
@@ -123,6 +127,7 @@ def main(argv=None):
         emitted, rounds, expected = np.concatenate(emitted), np.concatenate(rounds), np.concatenate(expected)
         lo, hi = bootstrap_ci(emitted, rounds, seed=args.seed)
         row = dict(label=label, method=method, budget=budget, topk_cap=cap, temperature=temperature,
+                   draft_temperature=args.draft_temperature,
                    tau=float(emitted.sum() / rounds.sum()), tau_lo=lo, tau_hi=hi,
                    expected_accepted=float(expected.mean()), measured_accepted=float(emitted.sum() / rounds.sum() - 1),
                    prompts=len(prompts), new_tokens=args.new_tokens, tokens_per_s=float(emitted.sum() / seconds))
