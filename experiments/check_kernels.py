@@ -17,7 +17,8 @@ device, over shapes too large for the CPU.
   shapes; within bf16 rounding of the float32-accumulated reference.
 - ``rope``: the q/k norm + RoPE kernel (``kernels.qk_norm_rope_fn("pallas")``) against its reference
   at Qwen3-8B and Qwen3-30B-A3B heads, decode, verify and prefill rows, positions to 128k, bf16 and
-  fp32; ``v`` must be identical, ``q`` and ``k`` within one bf16 rounding (2e-5 in fp32).
+  fp32; ``v`` must be identical, ``q`` and ``k`` within 0.04 in bf16 (a rounding of values up to
+  about 8) and 8e-5 in fp32.
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
 """
@@ -144,11 +145,11 @@ def check_rope(interpret=False, cases=ROPE_CASES, head_dim=128):
         args, kwargs = (qkv, *norms, *tables), dict(heads=heads, kv_heads=kv_heads, eps=1e-6)
         record = dict(part="rope", batch=batch, rows=num, heads=heads, kv_heads=kv_heads, dtype=dtype)
 
-        def check(args=args, kwargs=kwargs, tol=2e-5 if dtype == "float32" else 1e-2):
+        def check(args=args, kwargs=kwargs, tol=8e-5 if dtype == "float32" else 4e-2):
             outs = [np.asarray(x, np.float32) for x in split_norm_rotate(*args, **kwargs)]
             refs = [np.asarray(x, np.float32) for x in qk_norm_rope_reference(*args, **kwargs)]
             errs = [float(np.abs(o - r).max()) for o, r in zip(outs, refs, strict=True)]
-            ok = all(np.isfinite(o).all() for o in outs) and max(errs[:2]) <= tol * 4 and errs[2] == 0
+            ok = all(np.isfinite(o).all() for o in outs) and max(errs[:2]) <= tol and errs[2] == 0
             return dict(max_abs_err_q=errs[0], max_abs_err_k=errs[1], max_abs_err_v=errs[2], ok=bool(ok))
 
         records.append(_run_case(record, check))

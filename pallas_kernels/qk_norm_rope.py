@@ -1,15 +1,15 @@
 """The q/k RMSNorm, the RoPE and the q/k/v split of a decoder layer as one kernel.
 
-Between the q/k/v projection and the attention, XLA runs this step as five to seven small
-fusions per layer (the two norms' reductions, their scaling, the rotation, the concatenation of
-the rotated halves, the slices), each a launch of one to two microseconds on a few kilobytes: at
-decode time that is about 5% of a Qwen3-8B step. Here program ``m`` of the grid ``(M,)`` reads
+Between the q/k/v projection and the attention, XLA runs this step as a few small fusions per
+layer (the two norms' reductions and scalings, the rotation, the slices), each a launch of about a
+microsecond on a few kilobytes. Here program ``m`` of the grid ``(M,)`` reads
 token row ``m`` of the fused projection once, normalises and rotates its query and key heads and
 writes ``q``, ``k`` and ``v`` in their head layouts.
 
 Head counts and ``head_dim / 2`` must be powers of two (`kernel_supports`). Same function as
 ``qk_norm_rope_reference``, within float32 rounding (the rotation may contract to fused
-multiply-adds).
+multiply-adds). On an H200 at Qwen3-8B shapes the kernel (2.6 µs a layer) replaced 3.3 µs of
+XLA's fusions, 0.5% of a decode step's device time, and no wall time (so ``auto`` does not pick it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
-
 
 
 def qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads: int, kv_heads: int, eps: float,

@@ -35,6 +35,11 @@ def rotate(x_BNHD, cos_BNF, sin_BNF):
     return rotated.astype(x_BNHD.dtype)
 
 
+def norm_rotate(x_BNHD, weight_D, eps: float, cos_BNF, sin_BNF):
+    """RMSNorm of each head of ``x [B, N, H, D]`` (``rms_norm`` with ``weight``), then `rotate`."""
+    return rotate(rms_norm(x_BNHD, weight_D, eps), cos_BNF, sin_BNF)
+
+
 def qk_norm_rope_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads: int, kv_heads: int,
                            eps: float):
     """Split a fused projection into heads, q/k RMSNorm then RoPE.
@@ -51,6 +56,6 @@ def qk_norm_rope_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, hea
     batch, num, cols = qkv_BNC.shape
     head_dim = cols // (heads + 2 * kv_heads)
     qkv_BNXD = qkv_BNC.reshape(batch, num, heads + 2 * kv_heads, head_dim)
-    q_BNHD = rotate(rms_norm(qkv_BNXD[:, :, :heads], q_norm_D, eps), cos_BNF, sin_BNF)
-    k_BNKD = rotate(rms_norm(qkv_BNXD[:, :, heads:heads + kv_heads], k_norm_D, eps), cos_BNF, sin_BNF)
+    q_BNHD = norm_rotate(qkv_BNXD[:, :, :heads], q_norm_D, eps, cos_BNF, sin_BNF)
+    k_BNKD = norm_rotate(qkv_BNXD[:, :, heads:heads + kv_heads], k_norm_D, eps, cos_BNF, sin_BNF)
     return q_BNHD, k_BNKD, qkv_BNXD[:, :, heads + kv_heads:]

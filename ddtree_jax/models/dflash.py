@@ -31,8 +31,8 @@ from ddtree_jax.models.qwen3 import (
     target_forward_nocache,
 )
 from ddtree_jax.sharding import check_mesh
-from pallas_kernels.matmul_reference import matmul_reference
-from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
+from pallas_kernels.matmul_reference import matmul_reference, rms_norm
+from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +118,12 @@ def init_drafter(config: DFlashConfig, key, dtype=jnp.bfloat16, *, std=0.02) -> 
 def context_features(drafter: Drafter, ctx_feats_BCF, matmul=matmul_reference):
     """``hidden_norm(taps @ fc)``: one ``[D]`` feature per context token, ``[B, C, D]``."""
     feat_BCD = L.project(matmul, ctx_feats_BCF.astype(drafter.dtype), drafter.params.fc)
-    return L.rms_norm(feat_BCD, drafter.params.hidden_norm, drafter.config.rms_norm_eps)
+    return rms_norm(feat_BCD, drafter.params.hidden_norm, drafter.config.rms_norm_eps)
 
 
 def drafter_head(drafter: Drafter, target: Target, hidden_BQD, matmul=matmul_reference):
     """Drafter final norm then the target's LM head: float32 logits ``[B, Q, V]``."""
-    h_BQD = L.rms_norm(hidden_BQD, drafter.params.final_norm, drafter.config.rms_norm_eps)
+    h_BQD = rms_norm(hidden_BQD, drafter.params.final_norm, drafter.config.rms_norm_eps)
     return project_vocab(target, h_BQD.astype(target.dtype), matmul)
 
 
@@ -147,9 +147,10 @@ def _drafter_hidden(drafter, target, ctx_feats_BCF, ctx_positions_BC, block_toke
     feat_BCD = context_features(drafter, ctx_feats_BCF)
     no_prefix_B = jnp.zeros(block_tokens_BQ.shape[:1], jnp.int32)
     attention = kernels.attention_fn("xla")
+    ctx_rope_BCF = rope_tables(ctx_positions_BC, shape.head_dim, shape.rope_theta)
 
     def attend(i, q_BQHD, k_BQKD, v_BQKD, state):
-        ctx_k_BCKD, ctx_v_BCKD = L.key_value(drafter.params.layers[i], feat_BCD, ctx_positions_BC, shape)
+        ctx_k_BCKD, ctx_v_BCKD = L.key_value(drafter.params.layers[i], feat_BCD, ctx_rope_BCF, shape)
         k_BKSD = jnp.concatenate([ctx_k_BCKD, k_BQKD], axis=1).transpose(0, 2, 1, 3)
         v_BKSD = jnp.concatenate([ctx_v_BCKD, v_BQKD], axis=1).transpose(0, 2, 1, 3)
         return attention(q_BQHD, k_BKSD, v_BKSD, no_prefix_B, mask_BQK, scale=shape.head_dim ** -0.5), state
@@ -191,8 +192,9 @@ def append_context(drafter: Drafter, cache: KVCache, ctx_feats_BCF, ctx_position
     shape = L.layer_shape(drafter.config)
     feat_BCD = context_features(drafter, ctx_feats_BCF, matmul)
     k_LBKSD, v_LBKSD = cache.k, cache.v
+    rope_BCF = rope_tables(ctx_positions_BC, shape.head_dim, shape.rope_theta)
     for i, layer in enumerate(drafter.params.layers):
-        k_BCKD, v_BCKD = L.key_value(layer, feat_BCD, ctx_positions_BC, shape, matmul)
+        k_BCKD, v_BCKD = L.key_value(layer, feat_BCD, rope_BCF, shape, matmul)
         k_LBKSD = write_scratch(k_LBKSD, i, k_BCKD, cache.lengths)
         v_LBKSD = write_scratch(v_LBKSD, i, v_BCKD, cache.lengths)
     lengths_B = jnp.minimum(cache.lengths + ctx_count_B.astype(jnp.int32), cache.max_len)

@@ -16,8 +16,8 @@ import numpy as np
 from ddtree_jax import kernels
 from ddtree_jax.models.cache import KVCache, write_scratch
 from ddtree_jax.models.params import DecoderLayer
-from pallas_kernels.matmul_reference import matmul_reference, rms_norm
-from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables, rotate
+from pallas_kernels.matmul_reference import matmul_reference
+from pallas_kernels.qk_norm_rope_reference import norm_rotate, qk_norm_rope_reference, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +52,17 @@ def project(matmul, x_BNK, w_KN, *, residual_BNM=None, **kwargs):
     return matmul(x_BNK.reshape(batch * num, -1), w_KN, residual_MN=residual_MN, **kwargs).reshape(batch, num, -1)
 
 
-def key_value(layer: DecoderLayer, x_BND, positions_BN, shape: LayerShape, matmul=matmul_reference):
+def key_value(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=matmul_reference):
     """Keys and values of inputs ``x [B, N, D]`` from the k/v columns of ``wqkv`` (read in place).
 
-    Returns ``k_BNKD`` (k_norm then RoPE at ``positions``) and ``v_BNKD``. The DFlash drafter
-    uses this alone for its context features, which have no queries.
+    Returns ``k_BNKD`` (k_norm then RoPE by ``rope_BNF``, the inputs' ``(cos, sin)`` `rope_tables`)
+    and ``v_BNKD``. The DFlash drafter uses this alone for its context features, which have no queries.
     """
     q_cols, kv_cols = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
     kv_BNC = project(matmul, x_BND, layer.wqkv, columns=(q_cols, layer.wqkv.shape[1]))
     k_BNKD = kv_BNC[..., :kv_cols].reshape(*x_BND.shape[:2], -1, shape.head_dim)
     v_BNKD = kv_BNC[..., kv_cols:].reshape(*x_BND.shape[:2], -1, shape.head_dim)
-    tables = rope_tables(positions_BN, shape.head_dim, shape.rope_theta)
-    return rotate(rms_norm(k_BNKD, layer.k_norm, shape.rms_norm_eps), *tables), v_BNKD
+    return norm_rotate(k_BNKD, layer.k_norm, shape.rms_norm_eps, *rope_BNF), v_BNKD
 
 
 def attention_inputs(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=matmul_reference,

@@ -24,7 +24,7 @@ from ddtree_jax.models import moe
 from ddtree_jax.models.cache import KVCache, check_cache_shape
 from ddtree_jax.models.params import Model, TargetParams
 from ddtree_jax.sharding import check_mesh
-from pallas_kernels.matmul_reference import matmul_reference
+from pallas_kernels.matmul_reference import matmul_reference, rms_norm
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
 
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
@@ -158,7 +158,7 @@ def run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layer
     mlp = moe.decoder_mlp() if mlp is None else mlp
     x_BND, taps, state = L.run_decoder(target.params.layers, L.layer_shape(cfg), target.params.embed[tokens_BN],
                                        positions_BN, attend, state, tap_layers, matmul, mlp, qk_norm_rope)
-    h_BND = L.rms_norm(x_BND, target.params.final_norm, cfg.rms_norm_eps)
+    h_BND = rms_norm(x_BND, target.params.final_norm, cfg.rms_norm_eps)
     # As HF's hidden_states[id + 1], the last layer's tap is taken after the final norm.
     taps = [h_BND if i == cfg.num_hidden_layers - 1 else tap for i, tap in zip(tap_layers, taps)]
     taps_BNF = jnp.concatenate(taps, axis=-1) if taps else x_BND[..., :0]
