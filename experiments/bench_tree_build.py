@@ -4,13 +4,15 @@ Times, in one process (jit, warm, ``block_until_ready``, median of repeats), for
 budget B (no top-k cap, so K = B):
   full          = build_tree + tree_attention_mask + tree_positions from draft logits [batch, L, V],
                   as the engine's round uses them
+  full_in_loop  = the same, per build of 20 builds in one call (a ``lax.fori_loop`` over four
+                  different drafts): its cost inside a jitted round, where no dispatch is paid
   log_softmax   = the draft log-probabilities alone
   top_k         = the exact vocabulary top-K the build uses (`selection.top_k`, from log-probabilities)
   beam          = the per-depth beam and the global order (`tree_from_top_k`, from the top-K)
   encodings     = attention mask + positions of a built tree
   lax_top_k     = plain ``lax.top_k(lp, K)`` over the vocabulary: what XLA gives for the top-k
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
-an empty jitted call (the dispatch cost every timed call above carries). ``--profile`` adds the
+an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
 device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
 and writes JSON.
 
@@ -43,13 +45,26 @@ from ddtree_jax.tree import (  # noqa: E402
 from experiments.common import median_ms  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
-COLUMNS = ("full_ms", "log_softmax_ms", "top_k_ms", "beam_ms", "encodings_ms", "lax_top_k_ms")
+LOOP_STEPS = 20
+COLUMNS = ("full_ms", "full_in_loop_ms", "log_softmax_ms", "top_k_ms", "beam_ms", "encodings_ms", "lax_top_k_ms")
 
 
-@functools.partial(jax.jit, static_argnames=("budget",))
-def full(draft_logits, roots, *, budget):
+def build_and_encode(draft_logits, roots, budget):
     tree = build_tree_unchecked(draft_logits, roots, jnp.float32(1.0), budget=budget, topk_cap=None)
     return tree, tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
+
+
+full = jax.jit(build_and_encode, static_argnames=("budget",))
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "steps"))
+def full_loop(drafts_SBLV, roots, *, budget, steps):
+    """``steps`` builds in one call, step i from draft ``i % S`` (so none is hoisted out of the
+    loop), every output folded into a checksum (so none is pruned)."""
+    def body(i, checksum):
+        out = build_and_encode(drafts_SBLV[i % drafts_SBLV.shape[0]], roots, budget)
+        return checksum + sum(leaf.sum(dtype=jnp.float32) for leaf in jax.tree.leaves(out))
+    return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
 
 
 log_softmax = jax.jit(lambda logits: draft_log_probs(logits, jnp.float32(1.0)))
@@ -70,6 +85,7 @@ def encodings(tree, roots):
 
 def time_row(draft_logits, budget, repeats) -> dict:
     """Every column of one (batch, budget) row, in ms."""
+    drafts = jnp.stack([draft_logits, draft_logits[:, ::-1], -draft_logits, draft_logits[:, :, ::-1]])
     batch, depth, vocab = draft_logits.shape
     k = min(budget, vocab)
     roots = jnp.zeros((batch,), jnp.int32)
@@ -79,6 +95,8 @@ def time_row(draft_logits, budget, repeats) -> dict:
     return dict(
         batch=batch, budget=budget, vocab=vocab, depth=depth, k=k, chunk=selection.chunk_size(vocab, k),
         full_ms=median_ms(lambda: full(draft_logits, roots, budget=budget), repeats),
+        full_in_loop_ms=median_ms(lambda: full_loop(drafts, roots, budget=budget, steps=LOOP_STEPS),
+                                  max(3, repeats // 4)) / LOOP_STEPS,
         log_softmax_ms=median_ms(lambda: log_softmax(draft_logits), repeats),
         top_k_ms=median_ms(lambda: vocab_top_k(lp, k=k), repeats),
         beam_ms=median_ms(lambda: beam(lp_k, tok_k, roots, budget=budget), repeats),

@@ -28,6 +28,10 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
         assert PART_KEYS <= set(row) and all(row[k] > 0 for k in PART_KEYS | {"round_ms", "decode_ms"})
         assert row["round_over_decode"] == pytest.approx(row["round_ms"] / row["decode_ms"])
         assert row["parts_sum_ms"] == pytest.approx(sum(row[k] for k in PART_KEYS))
+        loop_keys = ("decode_in_loop_ms", "round_in_loop_ms", "tree_in_loop_ms", "sampling_in_loop_ms")
+        assert all(row[k] > 0 for k in loop_keys)
+        assert row["core_share"] == pytest.approx(
+            (row["tree_in_loop_ms"] + row["sampling_in_loop_ms"]) / row["round_in_loop_ms"])
         assert row["decode_roofline_ms"] is None and row["round_floor_ms"] is None
         # first calls compile: far slower than the warm median
         assert row["round_first_call_s"] * 1e3 > 2 * row["round_ms"]

@@ -22,6 +22,12 @@ returns fresh arrays (the verify forward and the commit a whole new cache). On a
 programs are scheduled differently and the machine's other load shifts single timings, a part can
 even take longer than the whole round; read the parts as each step's cost in isolation.
 
+Every call from Python also pays a dispatch (0.3 ms on the H200 host), which a round inside
+`generate`'s device loop does not. So the decode step, the round, the tree build and the sampler are
+also timed ``in a loop``: `LOOP_STEPS` of them in one jitted ``lax.fori_loop`` (the rounds threading
+their state, the build and the sampler alternating between two inputs so that nothing is hoisted),
+per step. The share of build + sampling in a round (``core_share``) is taken from these.
+
 The HBM roofline (the weights each step must stream once, at ``--hbm-tbps``) is reported on
 accelerators only; on a CPU it is n/a.
 
@@ -120,6 +126,22 @@ def first_call_s(fn) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start
+
+
+LOOP_STEPS = 10  # calls of a part per dispatch in the in-loop timings
+
+
+def checksum(tree) -> jax.Array:
+    """A float32 sum over every leaf of ``tree``: keeps all of a computation's outputs alive in a loop."""
+    return sum(leaf.sum(dtype=jnp.float32) for leaf in jax.tree.leaves(tree))
+
+
+def loop_ms(body, operands, init, repeats: int, steps: int = LOOP_STEPS) -> float:
+    """Median ms per step of ``carry = body(operands, i, carry)`` run ``steps`` times in one jitted
+    ``lax.fori_loop`` (no dispatch between steps, as inside a round or `generate`'s device loop).
+    ``operands`` (models, stacked inputs) are arguments of the call, never baked-in constants."""
+    run = jax.jit(lambda ops, carry: jax.lax.fori_loop(0, steps, functools.partial(body, ops), carry))
+    return median_ms(lambda: run(operands, init), repeats) / steps
 
 
 def weight_bytes(params) -> int:
@@ -233,6 +255,9 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
         rows = jnp.arange(taps.shape[0])[:, None]
         return commit(cache, accept_index, num_accepted + 1), taps[rows, jnp.maximum(accept_index, 0)]
 
+    # The build and the sampler in a loop, step i on input variant i % 2 so that nothing is hoisted out
+    drafts = jnp.stack([draft_logits, jnp.roll(draft_logits, 7919, axis=-1)])
+    logit_variants = jnp.stack([logits, jnp.roll(logits, 7919, axis=-1)])
     return dict(
         drafter_ms=median_ms(lambda: draft(*draft_args)[0], repeats),
         tree_ms=median_ms(lambda: build(draft_logits, state.root), repeats),
@@ -240,7 +265,27 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
                                     repeats),
         sampling_ms=median_ms(lambda: sample(tree, logits), repeats),
         commit_ms=median_ms(lambda: keep(cache, taps, res.accept_index, res.num_accepted), repeats),
+        tree_in_loop_ms=loop_ms(lambda ops, i, acc: acc + checksum(build(ops[0][i % 2], ops[1])),
+                                (drafts, state.root), jnp.float32(0), repeats),
+        sampling_in_loop_ms=loop_ms(lambda ops, i, acc: acc + checksum(sample(ops[0], ops[1][i % 2])),
+                                    (tree, logit_variants), jnp.float32(0), repeats),
     )
+
+
+def round_in_loop_ms(target, drafter, spec, state, sampling, repeats) -> float:
+    """Median ms per round of `LOOP_STEPS` rounds in one call, the state threaded through (the
+    round's cost inside `generate`'s device loop, where no dispatch separates rounds)."""
+    batch = state.root.shape[0]
+    args = (sampling, jax.random.key(0), jnp.arange(batch, dtype=jnp.int32), jnp.float32(1.0),
+            jnp.array([-2], jnp.int32))
+    step = functools.partial(engine.decode_round, spec=spec, max_new_tokens=10**6, with_expected=False)
+
+    def body(models, i, carry):
+        state, acc = carry
+        state, out = step(*models, state, *args)
+        return state, acc + checksum(out)
+
+    return loop_ms(body, (target, drafter if spec.method != "ar" else None), (state, jnp.float32(0)), repeats)
 
 
 def streamed_bytes(target) -> int:
@@ -277,9 +322,11 @@ def bench_shapes(args, emit) -> None:
             decode = round_runner(target, drafter, ar, make_state(target, drafter, ar, batch, context), sampling)
             decode_first_s = first_call_s(decode)
             decode_ms = median_ms(decode, args.repeats)
-            roofline = f"{decode_ms / decode_floor:.2f}x roofline; " if decode_floor else ""
-            print(f"batch {batch} context {context}: decode step {decode_ms:.2f} ms "
-                  f"({roofline}first call {decode_first_s:.1f} s)", flush=True)
+            decode_loop_ms = round_in_loop_ms(target, drafter, ar, make_state(target, drafter, ar, batch, context),
+                                              sampling, args.repeats)
+            roofline = f"{decode_loop_ms / decode_floor:.2f}x roofline in a loop; " if decode_floor else ""
+            print(f"batch {batch} context {context}: decode step {decode_ms:.2f} ms a call, {decode_loop_ms:.2f} ms "
+                  f"in a loop ({roofline}first call {decode_first_s:.1f} s)", flush=True)
             for budget in args.budgets:
                 rows += 1
                 print(f"  [{rows}/{total}] B={budget}: compiling and timing the parts and the round ...", flush=True)
@@ -289,13 +336,16 @@ def bench_shapes(args, emit) -> None:
                 run = round_runner(target, drafter, spec, state, sampling)
                 round_first_s = first_call_s(run)
                 round_ms = median_ms(run, args.repeats)
+                fresh = make_state(target, drafter, spec, batch, context)  # the runner donated ``state``
+                round_loop_ms = round_in_loop_ms(target, drafter, spec, fresh, sampling, args.repeats)
                 row = dict(batch=batch, context=context, budget=budget, attention_impl=spec.attention_impl,
                            sampler_impl=spec.sampler_impl, decode_ms=decode_ms, round_ms=round_ms,
+                           decode_in_loop_ms=decode_loop_ms, round_in_loop_ms=round_loop_ms,
                            decode_roofline_ms=decode_floor, round_floor_ms=round_floor, **parts,
                            decode_first_call_s=decode_first_s, round_first_call_s=round_first_s)
                 row["round_over_decode"] = round_ms / decode_ms  # = the break-even tau
-                row["parts_sum_ms"] = sum(parts.values())  # each part timed alone: see the module docstring
-                row["core_share"] = (parts["tree_ms"] + parts["sampling_ms"]) / round_ms
+                row["parts_sum_ms"] = sum(v for k, v in parts.items() if "in_loop" not in k)  # each alone
+                row["core_share"] = (parts["tree_in_loop_ms"] + parts["sampling_in_loop_ms"]) / round_loop_ms
                 if args.profile and budget == args.budgets[0]:
                     for name, runner in (("decode", decode), ("round", run)):
                         try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
@@ -316,9 +366,10 @@ def bench_shapes(args, emit) -> None:
                                                        make_state(target, drafter, xla, batch, context), sampling,
                                                        args.repeats, mesh=mesh)
                 print(f"  B={budget:4d}: round {round_ms:7.2f} ms = {row['round_over_decode']:.2f} decode steps | "
-                      + " ".join(f"{k[:-3]} {v:.2f}" for k, v in parts.items())
-                      + f" (sum {row['parts_sum_ms']:.2f}, each alone)"
-                      + f" | build+sampling {100 * row['core_share']:.1f}% of the round"
+                      + " ".join(f"{k[:-3]} {v:.2f}" for k, v in parts.items() if "in_loop" not in k)
+                      + f" (sum {row['parts_sum_ms']:.2f}, each alone) | in a loop: round {round_loop_ms:.2f}, build "
+                      + f"{parts['tree_in_loop_ms']:.3f}, sampling {parts['sampling_in_loop_ms']:.3f} = "
+                      + f"{100 * row['core_share']:.1f}% of the round"
                       + f" | first call {round_first_s:.1f} s"
                       + (f" | mesh(1,1) {row['round_mesh1_ms']:.2f} vs {row['round_xla_ms']:.2f} ms"
                          if "round_mesh1_ms" in row else ""), flush=True)
