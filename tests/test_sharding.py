@@ -117,9 +117,14 @@ def test_sharded_kernel_attention_matches_xla(runs):
 
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_and_verify_logits_match_unsharded(runs, case):
+    """float32 logits within rounding. The Qwen3-MoE target ("e") sums its experts' outputs across devices
+    (a psum of per-device partial sums) in another order than the unsharded sum: on some CPUs that moved a
+    few of 256 logits by 1.6-1.7e-5, so its bound is 5e-5 (a wrong expert split or a missing sum moves them
+    by 1e-2 and more)."""
     reference, results = runs
+    atol = 5e-5 if parse(case)[0] == "e" else 1e-5
     for key in ("prefill_logits", "verify_logits"):
-        np.testing.assert_allclose(results[case][key], reference[parse(case)[0]][key], rtol=1e-5, atol=1e-5,
+        np.testing.assert_allclose(results[case][key], reference[parse(case)[0]][key], rtol=1e-5, atol=atol,
                                    err_msg=key)
 
 
