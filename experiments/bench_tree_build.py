@@ -35,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax import selection  # noqa: E402
 from ddtree_jax.experiments import profiling  # noqa: E402
+from ddtree_jax.experiments.bench import checksum, loop_ms  # noqa: E402
 from ddtree_jax.tree import (  # noqa: E402
     build_tree_unchecked,
     draft_log_probs,
@@ -55,16 +56,6 @@ def build_and_encode(draft_logits, roots, budget):
 
 
 full = jax.jit(build_and_encode, static_argnames=("budget",))
-
-
-@functools.partial(jax.jit, static_argnames=("budget", "steps"))
-def full_loop(drafts_SBLV, roots, *, budget, steps):
-    """``steps`` builds in one call, step i from draft ``i % S`` (so none is hoisted out of the
-    loop), every output folded into a checksum (so none is pruned)."""
-    def body(i, checksum):
-        out = build_and_encode(drafts_SBLV[i % drafts_SBLV.shape[0]], roots, budget)
-        return checksum + sum(leaf.sum(dtype=jnp.float32) for leaf in jax.tree.leaves(out))
-    return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
 
 
 log_softmax = jax.jit(lambda logits: draft_log_probs(logits, jnp.float32(1.0)))
@@ -95,8 +86,9 @@ def time_row(draft_logits, budget, repeats) -> dict:
     return dict(
         batch=batch, budget=budget, vocab=vocab, depth=depth, k=k, chunk=selection.chunk_size(vocab, k),
         full_ms=median_ms(lambda: full(draft_logits, roots, budget=budget), repeats),
-        full_in_loop_ms=median_ms(lambda: full_loop(drafts, roots, budget=budget, steps=LOOP_STEPS),
-                                  max(3, repeats // 4)) / LOOP_STEPS,
+        # step i builds from draft i % 4, so that no build is hoisted out of the loop
+        full_in_loop_ms=loop_ms(lambda ops, i, acc: acc + checksum(build_and_encode(ops[0][i % 4], ops[1], budget)),
+                                (drafts, roots), jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS),
         log_softmax_ms=median_ms(lambda: log_softmax(draft_logits), repeats),
         top_k_ms=median_ms(lambda: vocab_top_k(lp, k=k), repeats),
         beam_ms=median_ms(lambda: beam(lp_k, tok_k, roots, budget=budget), repeats),
