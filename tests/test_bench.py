@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from ddtree_jax import cli
@@ -28,10 +29,10 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
         assert PART_KEYS <= set(row) and all(row[k] > 0 for k in PART_KEYS | {"round_ms", "decode_ms"})
         assert row["round_over_decode"] == pytest.approx(row["round_ms"] / row["decode_ms"])
         assert row["parts_sum_ms"] == pytest.approx(sum(row[k] for k in PART_KEYS))
-        loop_keys = ("decode_in_loop_ms", "round_in_loop_ms", "tree_in_loop_ms", "sampling_in_loop_ms")
+        loop_keys = ("decode_back_to_back_ms", "round_back_to_back_ms", "tree_in_loop_ms", "sampling_in_loop_ms")
         assert all(row[k] > 0 for k in loop_keys)
         assert row["core_share"] == pytest.approx(
-            (row["tree_in_loop_ms"] + row["sampling_in_loop_ms"]) / row["round_in_loop_ms"])
+            (row["tree_in_loop_ms"] + row["sampling_in_loop_ms"]) / row["round_back_to_back_ms"])
         assert row["decode_roofline_ms"] is None and row["round_floor_ms"] is None
         # first calls compile: far slower than the warm median
         assert row["round_first_call_s"] * 1e3 > 2 * row["round_ms"]
@@ -46,6 +47,14 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     assert all(r["tau"] == 1 for r in embedded if r["method"] == "ar")
     assert all(r["draft_temperature"] == 0.7 for r in embedded)
     assert result["meta"]["settings"]["budgets"] == [4, 8] and result["meta"]["settings"]["top_k"] == 5
+
+
+def test_back_to_back_queues_the_calls_and_blocks_once():
+    """`bench.back_to_back_ms` calls ``fn`` ``steps`` times per timed repeat (plus a warm repeat) and
+    divides by ``steps``."""
+    calls = []
+    ms = bench.back_to_back_ms(lambda: calls.append(1) or np.zeros(()), repeats=3, steps=4)
+    assert len(calls) == 4 * (1 + 3) and ms >= 0
 
 
 def test_tiny_shapes_make_every_knob_tiny(tmp_path):
