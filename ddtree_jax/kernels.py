@@ -20,7 +20,10 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the s
                 fusions in a whole Qwen3-8B forward on an H200 (BENCHMARKS.md)
   matmul        xla: XLA's own Triton GEMMs streamed the decode step's     xla
                 weights faster than the skinny-matmul kernel at every
-                Qwen3-8B projection but one on an H200 (BENCHMARKS.md)
+                Qwen3-8B projection but one on an H200 (BENCHMARKS.md);
+                on sm_90 without a mesh, products of fewer than 16 rows
+                are zero-padded to 16 (`XLA_MIN_ROWS`: the decode step
+                6.91 -> 6.44 ms on an H200)
   sampler       pallas without a mesh; xla under a mesh (XLA partitions    xla
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========
@@ -120,15 +123,25 @@ def qk_norm_rope_fn(impl: str, mesh: Mesh | None = None):
     return split_norm_rotate
 
 
+# Fewer rows than this go to XLA's GEMM zero-padded to this many, by compute capability (``auto``
+# without a mesh). Measured on an H200 in one process: the batch-1 decode step, whose products have
+# one row, 6.91 ms as it is and 6.44 ms with them padded to 16 rows, back to back (BENCHMARKS.md).
+XLA_MIN_ROWS = {(9, 0): 16}
+
+
 def matmul_fn(impl: str, mesh: Mesh | None = None):
     """The projection of ``impl`` (see the module docstring), with the signature of
     ``matmul_reference``: ``fn(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None,
-    columns=None, residual_MN=None)``. ``auto`` is XLA everywhere (measured); ``"pallas"`` is the
+    columns=None, residual_MN=None)``. ``auto`` is XLA everywhere (measured), its products of few
+    rows padded (`XLA_MIN_ROWS`) on a GPU listed there and without a mesh; ``"pallas"`` is the
     skinny-matmul kernel, tiled by the device's `configs.matmul_policy`; it is not partitioned, so
     under a ``mesh`` only the XLA path runs."""
     impl = check_impl("matmul_impl", impl)
-    if impl in ("xla", "auto"):
+    if impl == "xla" or (impl == "auto" and (mesh is not None or not pallas_gpu())):
         return matmul_reference
+    if impl == "auto":
+        min_rows = XLA_MIN_ROWS.get(configs.device_capability())
+        return matmul_reference if min_rows is None else rows_padded(matmul_reference, min_rows)
     if mesh is not None:
         raise ValueError(f"matmul_impl={impl!r} does not run under a mesh (the kernel is not partitioned); "
                          f"use 'auto' or 'xla'")
@@ -141,6 +154,21 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
                       interpret=impl == "interpret", **kwargs)
 
     return product
+
+
+def rows_padded(product, min_rows: int):
+    """``product`` (the signature of ``matmul_reference``) run on ``x`` zero-padded to ``min_rows``
+    rows when it has fewer, the result cut back to ``x``'s rows. Rows of a product are independent,
+    so only the GEMM that XLA picks for the shape changes."""
+    def padded(x_MK, w_KN, *, residual_MN=None, **kwargs):
+        m = x_MK.shape[0]
+        if m >= min_rows:
+            return product(x_MK, w_KN, residual_MN=residual_MN, **kwargs)
+        rows = ((0, min_rows - m), (0, 0))
+        residual = None if residual_MN is None else jnp.pad(residual_MN, rows)
+        return product(jnp.pad(x_MK, rows), w_KN, residual_MN=residual, **kwargs)[:m]
+
+    return padded
 
 
 def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None = None):

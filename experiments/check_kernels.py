@@ -14,7 +14,8 @@ device, over shapes too large for the CPU.
   and tokens must be identical.
 - ``matmul``: the skinny-matmul kernel (the device's policy configs) against its reference on
   Qwen3-8B's projections with their prologue and epilogues at M = 1, 16, 65, 520 and on ragged
-  shapes; within bf16 rounding of the float32-accumulated reference.
+  shapes; within bf16 rounding of the float32-accumulated reference. ``matmul_auto``: the same
+  cases through ``kernels.matmul_fn("auto")`` (the models' default: XLA, with few rows padded).
 - ``rope``: the q/k norm + RoPE kernel (``kernels.qk_norm_rope_fn("pallas")``) against its reference
   at Qwen3-8B and Qwen3-30B-A3B heads, decode, verify and prefill rows, positions to 128k, bf16 and
   fp32; ``v`` must be identical, ``q`` and ``k`` within 0.04 in bf16 (a rounding of values up to
@@ -102,9 +103,11 @@ MATMUL_CASES += [(3, 1000, 77, False, True, True, None), (33, 300, 130, True, Tr
                  (7, 4096, 6144, False, False, False, (4096, 6144))]
 
 
-def check_matmul(interpret=False, cases=MATMUL_CASES):
-    """The skinny matmul (``kernels.matmul_fn("pallas")``, or interpreted) against its reference."""
-    product = kernels.matmul_fn("interpret" if interpret else "pallas")
+def check_matmul(interpret=False, cases=MATMUL_CASES, impl=None):
+    """The skinny matmul (``kernels.matmul_fn("pallas")``, or interpreted) against its reference; with
+    ``impl="auto"``, the projections the models run by default (XLA, few rows padded on some GPUs)."""
+    impl = impl or ("interpret" if interpret else "pallas")
+    product = kernels.matmul_fn(impl)
     records = []
     for seed, (m, k, n, gated, norm, residual, columns) in enumerate(cases):
         keys = jax.random.split(jax.random.key(seed), 4)
@@ -114,7 +117,8 @@ def check_matmul(interpret=False, cases=MATMUL_CASES):
                       residual_MN=jax.random.normal(keys[3], (m, n_out), jnp.bfloat16) if residual else None)
         x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
         w = (jax.random.normal(keys[1], (k, n)) * k ** -0.5).astype(jnp.bfloat16)
-        record = dict(part="matmul", m=m, k=k, n=n, gated=gated, norm=norm, residual=residual, columns=columns)
+        record = dict(part="matmul", impl=impl, m=m, k=k, n=n, gated=gated, norm=norm, residual=residual,
+                      columns=columns)
 
         def check(x=x, w=w, kwargs=kwargs):
             out = np.asarray(product(x, w, **kwargs), np.float32)
@@ -240,18 +244,18 @@ def main(argv=None):
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--backends", default="triton",
                         help="comma-separated tree-attention backends to check: triton, mosaic")
-    parser.add_argument("--parts", default="attention,sampling,matmul,rope",
-                        help="attention, sampling, matmul and/or rope")
+    parser.add_argument("--parts", default="attention,sampling,matmul,matmul_auto,rope",
+                        help="attention, sampling, matmul, matmul_auto and/or rope")
     args = parser.parse_args(argv)
     backends = tuple(args.backends.split(","))
     if not set(backends) <= {"triton", "mosaic"}:
         raise ValueError(f"--backends must list triton and/or mosaic, got {args.backends!r}")
     parts = args.parts.split(",")
-    if not set(parts) <= {"attention", "sampling", "matmul", "rope"}:
-        raise ValueError(f"--parts must list attention, sampling, matmul and/or rope, got {args.parts!r}")
+    if not set(parts) <= {"attention", "sampling", "matmul", "matmul_auto", "rope"}:
+        raise ValueError(f"--parts must list attention, sampling, matmul, matmul_auto and/or rope, got {args.parts!r}")
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul,
-                  rope=check_rope)
+                  matmul_auto=functools.partial(check_matmul, impl="auto"), rope=check_rope)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

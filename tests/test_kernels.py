@@ -67,11 +67,40 @@ def test_unknown_impl_names_the_switch(impl):
         kernels.attention_fn(impl)
 
 
-def test_auto_matmul_is_xla_even_on_hopper(hopper):
+def test_auto_matmul_is_xla_with_few_rows_padded_on_hopper(hopper, monkeypatch):
+    from ddtree_jax.sharding import make_mesh
     from pallas_kernels.matmul_reference import matmul_reference
 
-    assert kernels.matmul_fn("auto") is matmul_reference
     assert kernels.matmul_fn("xla") is matmul_reference
+    assert kernels.matmul_fn("auto", make_mesh(1, 1)) is matmul_reference  # a mesh: XLA partitions it as it is
+    shapes = []
+    monkeypatch.setattr(kernels, "matmul_reference", lambda x, w, **kw: shapes.append(x.shape) or x @ w)
+    product = kernels.matmul_fn("auto")
+    x, w = jnp.ones((1, 8)), jnp.ones((8, 3))
+    assert product(x, w).shape == (1, 3) and shapes == [(kernels.XLA_MIN_ROWS[(9, 0)], 8)]
+    monkeypatch.setattr(configs, "device_capability", lambda: (8, 0))  # no measured padding: as it is
+    shapes.clear()
+    kernels.matmul_fn("auto")(x, w)
+    assert shapes == [(1, 8)]
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 23])
+@pytest.mark.parametrize("norm, gated, residual, columns", [(False, False, False, None), (True, True, False, None),
+                                                            (True, False, True, (4, 20)), (False, True, True, None)])
+def test_rows_padded_gives_the_products_of_the_rows(m, norm, gated, residual, columns):
+    """Zero rows appended before the product and cut after it change none of the real rows."""
+    from pallas_kernels.matmul_reference import matmul_reference
+
+    keys = jax.random.split(jax.random.key(m), 4)
+    k, n = 24, 32
+    n_out = (n if columns is None else columns[1] - columns[0]) // (2 if gated else 1)
+    kwargs = dict(gated=gated, columns=columns, norm_K=1 + 0.1 * jax.random.normal(keys[2], (k,)) if norm else None,
+                  residual_MN=jax.random.normal(keys[3], (m, n_out)) if residual else None)
+    x, w = jax.random.normal(keys[0], (m, k)), jax.random.normal(keys[1], (k, n))
+    want = np.asarray(matmul_reference(x, w, **kwargs))
+    got = np.asarray(kernels.rows_padded(matmul_reference, 16)(x, w, **kwargs))
+    assert got.shape == want.shape == (m, n_out)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_the_matmul_kernel_refuses_a_mesh():
