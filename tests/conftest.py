@@ -1,18 +1,34 @@
 """Test-session hooks."""
 
+import os
+
 import jax
 import pytest
 
 _started = {}  # module name -> (module, what its start_background() returned)
 
 
+def _has_background(item) -> bool:
+    return "background" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under pytest-xdist, the modules with background work go first (whole modules go to one worker,
+    ``--dist loadfile``), so that their subprocesses start at once and overlap everything else."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        items.sort(key=lambda item: not _has_background(item))  # stable: the order within each group stays
+
+
 def pytest_collection_finish(session):
-    """Start the background work of every collected module whose selected tests use ``background``."""
-    if session.config.option.collectonly:
+    """Start the background work of every collected module whose selected tests use ``background``.
+
+    Not in a pytest-xdist worker: every worker collects every test, so each module's fixture starts its
+    own when its worker gets to it (first, see `pytest_collection_modifyitems`)."""
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER") is not None:
         return
     for item in session.items:
         module = getattr(item, "module", None)
-        if "background" in getattr(item, "fixturenames", ()) and module.__name__ not in _started:
+        if _has_background(item) and module.__name__ not in _started:
             _started[module.__name__] = module, module.start_background()
 
 
