@@ -123,9 +123,10 @@ def qk_norm_rope_fn(impl: str, mesh: Mesh | None = None):
     return split_norm_rotate
 
 
-# Fewer rows than this go to XLA's GEMM zero-padded to this many, by compute capability (``auto``
-# without a mesh). Measured on an H200 in one process: the batch-1 decode step, whose products have
-# one row, 6.91 ms as it is and 6.44 ms with them padded to 16 rows, back to back (BENCHMARKS.md).
+# Fewer rows than this go to XLA's GEMM zero-padded to this many, by CUDA compute capability (``auto``
+# without a mesh; off CUDA the capability is (0, 0)). Measured on an H200 in one process
+# (experiments/bench_models.py --matmul-impls xla,auto): the batch-1 decode forward, whose products
+# have one row, took 5.35 ms of device time as it is and 4.98 ms padded to 16 rows (BENCHMARKS.md).
 XLA_MIN_ROWS = {(9, 0): 16}
 
 
@@ -137,10 +138,8 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
     skinny-matmul kernel, tiled by the device's `configs.matmul_policy`; it is not partitioned, so
     under a ``mesh`` only the XLA path runs."""
     impl = check_impl("matmul_impl", impl)
-    if impl == "xla" or (impl == "auto" and (mesh is not None or not pallas_gpu())):
-        return matmul_reference
-    if impl == "auto":
-        min_rows = XLA_MIN_ROWS.get(configs.device_capability())
+    if impl in ("xla", "auto"):
+        min_rows = XLA_MIN_ROWS.get(configs.device_capability()) if impl == "auto" and mesh is None else None
         return matmul_reference if min_rows is None else rows_padded(matmul_reference, min_rows)
     if mesh is not None:
         raise ValueError(f"matmul_impl={impl!r} does not run under a mesh (the kernel is not partitioned); "

@@ -8,6 +8,10 @@ import pytest
 _started = {}  # module name -> (module, what its start_background() returned)
 
 
+def _in_xdist_worker() -> bool:
+    return os.environ.get("PYTEST_XDIST_WORKER") is not None
+
+
 def _has_background(item) -> bool:
     return "background" in getattr(item, "fixturenames", ())
 
@@ -15,7 +19,7 @@ def _has_background(item) -> bool:
 def pytest_collection_modifyitems(session, config, items):
     """Under pytest-xdist, the modules with background work go first (whole modules go to one worker,
     ``--dist loadfile``), so that their subprocesses start at once and overlap everything else."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+    if _in_xdist_worker():
         items.sort(key=lambda item: not _has_background(item))  # stable: the order within each group stays
 
 
@@ -24,7 +28,7 @@ def pytest_collection_finish(session):
 
     Not in a pytest-xdist worker: every worker collects every test, so each module's fixture starts its
     own when its worker gets to it (first, see `pytest_collection_modifyitems`)."""
-    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER") is not None:
+    if session.config.option.collectonly or _in_xdist_worker():
         return
     for item in session.items:
         module = getattr(item, "module", None)
