@@ -16,6 +16,10 @@ device, over shapes too large for the CPU.
   Qwen3-8B's projections with their prologue and epilogues at M = 1, 16, 65, 520 and on ragged
   shapes; within bf16 rounding of the float32-accumulated reference. ``matmul_auto``: the same
   cases through ``kernels.matmul_fn("auto")`` (the models' default: XLA, with few rows padded).
+- ``forward_auto``: whole target forwards (Qwen3-8B layers, four of them, random bf16 weights) with
+  ``matmul_impl="auto"`` (on sm_90 every product of fewer than 16 rows zero-padded to 16) against
+  ``"xla"``: decode steps at batch 1 and 3 and a 16-node verify; logits, taps and the
+  new cache entries within 5% of their scale (bf16 roundings compound over the layers).
 - ``rope``: the q/k norm + RoPE kernel (``kernels.qk_norm_rope_fn("pallas")``) against its reference
   at Qwen3-8B and Qwen3-30B-A3B heads, decode, verify and prefill rows, positions to 128k, bf16 and
   fp32; ``v`` must be identical, ``q`` and ``k`` within 0.04 in bf16 (a rounding of values up to
@@ -37,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import kernels
+from ddtree_jax.experiments.bench import SHAPES
+from ddtree_jax.models import KVCache, Qwen3Config, init_target, target_forward
 from ddtree_jax.verify import verify_from_coins
 from experiments.bench_kernels import compare_results, fused_sampler, sampling_inputs
 from pallas_kernels.configs import tree_attention_config
@@ -126,6 +132,45 @@ def check_matmul(interpret=False, cases=MATMUL_CASES, impl=None):
             err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
             ok = bool(np.isfinite(out).all() and err <= 2e-2 * max(scale, 1))
             return dict(max_abs_err=err, ref_scale=scale, ok=ok)
+
+        records.append(_run_case(record, check))
+    return records
+
+
+# (batch, rows per request)
+FORWARD_CASES = [(1, 1), (3, 1), (1, 16)]
+
+
+def check_forward(shapes=None, cases=FORWARD_CASES, layers=4, context=40):
+    """Target forwards with ``matmul_impl="auto"`` against ``"xla"`` (see the module docstring);
+    ``shapes``: the target's config fields (default Qwen3-8B's, ``layers`` of them)."""
+    fields = dict(SHAPES["qwen3-8b"]["target"] if shapes is None else shapes, num_hidden_layers=layers)
+    target = init_target(Qwen3Config(**fields), jax.random.key(0), jnp.bfloat16)
+    cfg = target.config
+    records = []
+    for seed, (batch, num) in enumerate(cases):
+        keys = jax.random.split(jax.random.key(seed), 3)
+        slots = (layers, batch, cfg.num_key_value_heads, context + num, cfg.head_dim)
+        k, v = (jax.random.normal(key, slots, jnp.bfloat16) for key in keys[:2])
+        cache = KVCache(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
+        tokens = jax.random.randint(keys[2], (batch, num), 0, cfg.vocab_size)
+        positions = context + jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((num, num), bool)), (batch, num, num))
+        record = dict(part="forward", impl="auto", batch=batch, rows=num, layers=layers)
+
+        def check(args=(tokens, positions, mask, cache)):
+            def outputs(impl):
+                logits, taps, new = target_forward(target, *args, tap_layers=(0, layers - 1), matmul_impl=impl)
+                return dict(logits=logits, taps=taps, cache_k=new.k[..., context:, :], cache_v=new.v[..., context:, :])
+
+            got, want = outputs("auto"), outputs("xla")
+            result = {}
+            for name in want:
+                out, ref = np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
+                err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
+                result.update({f"max_abs_err_{name}": err, f"scale_{name}": scale,
+                               f"ok_{name}": bool(np.isfinite(out).all() and err <= 0.05 * max(scale, 1e-3))})
+            return dict(result, ok=all(result[f"ok_{name}"] for name in want))
 
         records.append(_run_case(record, check))
     return records
@@ -244,18 +289,19 @@ def main(argv=None):
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--backends", default="triton",
                         help="comma-separated tree-attention backends to check: triton, mosaic")
-    parser.add_argument("--parts", default="attention,sampling,matmul,matmul_auto,rope",
-                        help="attention, sampling, matmul, matmul_auto and/or rope")
+    parser.add_argument("--parts", default="attention,sampling,matmul,matmul_auto,forward_auto,rope",
+                        help="attention, sampling, matmul, matmul_auto, forward_auto and/or rope")
     args = parser.parse_args(argv)
     backends = tuple(args.backends.split(","))
     if not set(backends) <= {"triton", "mosaic"}:
         raise ValueError(f"--backends must list triton and/or mosaic, got {args.backends!r}")
     parts = args.parts.split(",")
-    if not set(parts) <= {"attention", "sampling", "matmul", "matmul_auto", "rope"}:
-        raise ValueError(f"--parts must list attention, sampling, matmul, matmul_auto and/or rope, got {args.parts!r}")
+    if not set(parts) <= {"attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope"}:
+        raise ValueError(f"--parts must list attention, sampling, matmul, matmul_auto, forward_auto and/or rope, "
+                         f"got {args.parts!r}")
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul,
-                  matmul_auto=functools.partial(check_matmul, impl="auto"), rope=check_rope)
+                  matmul_auto=functools.partial(check_matmul, impl="auto"), forward_auto=check_forward, rope=check_rope)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

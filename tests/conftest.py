@@ -1,9 +1,13 @@
 """Test-session hooks."""
 
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
+
+_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
 
 _started = {}  # module name -> (module, what its start_background() returned)
 
@@ -14,6 +18,30 @@ def _in_xdist_worker() -> bool:
 
 def _has_background(item) -> bool:
     return "background" in getattr(item, "fixturenames", ())
+
+
+def pytest_configure(config):
+    """One persistent compilation cache for the whole session: its xdist workers and the subprocesses of
+    its tests (they inherit the environment) load a program another module already compiled instead of
+    compiling it again. Compilation is most of the suite's time on a CPU, and many modules compile the
+    same tiny-model rounds. The directory is fresh for each session (removed at its end) unless the
+    caller names one in ``JAX_COMPILATION_CACHE_DIR``."""
+    if _CACHE_DIR not in os.environ:  # the controller, or a session without workers
+        os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="ddtree-jax-tests-")
+        config.stash[_owned_cache] = os.environ[_CACHE_DIR]
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+_owned_cache = pytest.StashKey[str]()
+
+
+def pytest_unconfigure(config):
+    owned = config.stash.get(_owned_cache, None)
+    if owned is not None:
+        shutil.rmtree(owned, ignore_errors=True)
+        del os.environ[_CACHE_DIR]
 
 
 def pytest_collection_modifyitems(session, config, items):

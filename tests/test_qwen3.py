@@ -289,3 +289,32 @@ def test_kernel_forward_equals_the_xla_forward(switch):
         np.testing.assert_allclose(np.asarray(kernel), np.asarray(xla), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="matmul_impl must be one of"):
         target_forward(target, ids, positions, causal(2, 5), cache, matmul_impl="cuda")
+
+
+@pytest.fixture
+def hopper_rows(monkeypatch):
+    """Pretend to be an sm_90 GPU for the matmul dispatch (products of fewer than 16 rows padded), with
+    traces of the pretence dropped before and after."""
+    from pallas_kernels import configs
+
+    jax.clear_caches()
+    monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
+    yield
+    jax.clear_caches()
+
+
+def test_check_kernels_forward_part_on_a_pretended_hopper(hopper_rows, monkeypatch):
+    """`experiments/check_kernels.py`'s forward_auto part on a small target: the ``auto`` path (its
+    products of fewer than 16 rows padded) passes, and a wrong projection on it fails."""
+    from ddtree_jax import kernels
+    from experiments.check_kernels import check_forward
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    records = check_forward(fields, cases=[(1, 1), (2, 3)], layers=2, context=6)
+    assert [r["ok"] for r in records] == [True, True], records
+    product = kernels.matmul_fn("auto")
+    monkeypatch.setattr(kernels, "matmul_fn", lambda impl, mesh=None: (
+        (lambda x, w, **kw: 1.5 * product(x, w, **kw)) if impl == "auto" else product))
+    jax.clear_caches()
+    assert not any(r["ok"] for r in check_forward(fields, cases=[(1, 1)], layers=2, context=6))

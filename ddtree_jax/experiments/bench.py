@@ -244,7 +244,8 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
     batch = state.root.shape[0]
     lengths = state.target_cache.lengths
     ctx_pos = (lengths - state.ctx_count)[:, None] + jnp.arange(state.ctx_feats.shape[1])[None, :]
-    draft = jax.jit(functools.partial(drafter_forward, attention_impl=spec.attention_impl))
+    impls = dict(attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl)
+    draft = jax.jit(functools.partial(drafter_forward, **impls))
     draft_args = (drafter, target, state.drafter_cache, state.ctx_feats, ctx_pos, state.ctx_count, state.root,
                   lengths)
     draft_logits = draft(*draft_args)[0]
@@ -255,7 +256,7 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
         return tree, tree_attention_mask(tree), tree_positions(tree, lengths)
 
     tree, mask, positions = build(draft_logits, state.root)
-    fwd = jax.jit(functools.partial(target_forward, tap_layers=spec.tap_layers, attention_impl=spec.attention_impl))
+    fwd = jax.jit(functools.partial(target_forward, tap_layers=spec.tap_layers, **impls))
     logits, taps, cache = fwd(target, tree.tokens, positions, mask, state.target_cache)
 
     @jax.jit
