@@ -1,81 +1,144 @@
-"""Exact selections without long sorts: a two-stage top-k over wide rows and ranks by counting.
+"""Exact selections without long sorts: a staged top-k over wide rows and ranks by counting.
 
-On a GPU, XLA lowers ``lax.top_k`` over a 151,936-wide row with ``k > 16`` to a segmented sort of
-the whole row, and every ``lax.sort`` to several kernels; the tree build needs one top-k per depth
-row and one ordering per depth. The functions here give the same results as ``lax.top_k`` and
-``lax.sort`` (ties included) from a row-wise maximum, two short top-ks, and pairwise-comparison
-counts that XLA fuses into one reduction each.
+On a GPU, XLA lowers ``lax.top_k`` over a 151,936-wide row to its top-k kernel (``k <= 16``, about
+44 us for the fifteen rows of one draft on an H200) or a sort of the row, and every ``lax.sort``
+to several kernels; the tree build needs one top-k per depth row and one ordering per depth. The
+functions here give the same results as ``lax.top_k`` and ``lax.sort`` (ties included) from group
+maxima and pairwise-comparison counts, each a single fused reduction.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-_MIN_CHUNK, _MAX_CHUNK = 8, 1024
-
-
-def chunk_size(vocab: int, k: int) -> int | None:
-    """Static chunk width for `top_k` over rows of ``vocab`` entries, ``None`` for a plain top-k.
-
-    The second stage reads ``k * chunk`` values after ``ceil(vocab / chunk)`` chunk maxima, so the
-    width is the power of two nearest ``sqrt(vocab / k)`` (in ``[8, 1024]``). Rows shorter than
-    ``4 * k * chunk`` (or with no more chunks than ``k``) are not worth splitting.
-    """
-    chunk = 2 ** round(math.log2(max(vocab / k, 1.0)) / 2)
-    chunk = min(max(chunk, _MIN_CHUNK), _MAX_CHUNK)
-    if vocab < 4 * k * chunk or -(-vocab // chunk) <= k:
-        return None
-    return chunk
-
-
-def top_k(x_NV: Float[Array, "... V"], k: int) -> tuple[Float[Array, "... K"], Int[Array, "... K"]]:
-    """``lax.top_k(x_NV, k)`` exactly (values and int32 indices; ties to the lower index first).
-
-    Two stages when `chunk_size` gives a width ``C``: split each row into ``n = ceil(V / C)``
-    chunks of ``C`` consecutive entries (the last padded with ``-inf``), take each chunk's maximum,
-    keep the ``k`` first chunks in the order (maximum descending, chunk index ascending), gather
-    their ``k * C`` entries in ascending chunk order and take the top ``k`` of those.
-
-    Why it is exact. Order the entries by (value descending, index ascending), the order of
-    ``lax.top_k``. Take an entry ``x`` of the reference top ``k`` and suppose its chunk ``c`` is
-    not among the ``k`` first chunks. Each of those ``k`` chunks ``c'`` precedes ``c``: its
-    maximum is larger than ``c``'s (so larger than ``x``), or equal with ``c' < c``, and then its
-    first maximal entry has a value ``>= x`` and a smaller index, since chunks are consecutive
-    index ranges. Either way that entry precedes ``x``: ``k`` distinct entries precede ``x``, which
-    contradicts ``x`` being in the top ``k``. So the gathered entries hold the whole reference top
-    ``k``, and the top ``k`` of a subset that contains it is the same list. Gathering the chunks
-    in ascending chunk order keeps the entries in ascending index order, so ``lax.top_k``'s
-    lower-position-first tie rule on the gathered row is the lower-index-first rule. The padding
-    sits at indices ``>= V`` at the end of the last chunk: it follows every real ``-inf`` and is
-    never among the first ``k <= V`` entries.
-    """
-    vocab = x_NV.shape[-1]
-    if not 1 <= k <= vocab:
-        raise ValueError(f"k must be in [1, {vocab}], got {k}")
-    chunk = chunk_size(vocab, k)
-    if chunk is None:
-        values, ids = jax.lax.top_k(x_NV, k)
-        return values, ids.astype(jnp.int32)
-    lead = x_NV.shape[:-1]
-    n = -(-vocab // chunk)
-    pad = [(0, 0)] * len(lead) + [(0, n * chunk - vocab)]
-    x_NCW = jnp.pad(x_NV, pad, constant_values=-jnp.inf).reshape(*lead, n, chunk)
-    _, chunks_NK = jax.lax.top_k(jnp.max(x_NCW, axis=-1), k)
-    chunks_NK = jnp.sort(chunks_NK.astype(jnp.int32), axis=-1)
-    picked = jnp.take_along_axis(x_NCW, chunks_NK[..., None], axis=-2).reshape(*lead, k * chunk)
-    values, pos = jax.lax.top_k(picked, k)
-    pos = pos.astype(jnp.int32)
-    ids = jnp.take_along_axis(chunks_NK, pos // chunk, axis=-1) * chunk + pos % chunk
-    return values, ids
-
-
 # Counting costs P^2 per call, a sort about log^2 P kernel stages: on an H200 counting was faster at
 # P <= 960 (budgets 16 and 64, batch 1 and 8), the sort at P = 3,489 and 7,680 (budget 512, batch 8).
 COUNT_MAX = 2048
+# The staged top-k's cost model, in kernel launches: a count of this many comparisons costs about one
+# launch on an H200 (a few TB/s of comparisons against about 2.5 us per small kernel).
+_COUNTS_PER_LAUNCH = 10_000_000
+# What the two-stage route through ``lax.top_k`` (`_lax_two_stage`) costs, in the same launches: on an
+# H200 it took 0.29 / 0.40 ms at k = 512 for 15 / 120 rows of 151,936 entries, where the seven-stage
+# plan took 0.21 / 1.0 ms (modelled 36 / 128 launches).
+_LAX_ROUTE_LAUNCHES = 60
+_MIN_CHUNK, _MAX_CHUNK = 8, 1024
+
+
+@functools.cache
+def top_k_plan(vocab: int, k: int, rows: int = 1) -> tuple[int, ...] | None:
+    """Group widths of `top_k`'s stages over ``rows`` rows of ``vocab`` entries; ``()`` ranks the
+    row at once, ``None`` leaves it to the route through ``lax.top_k`` (`_lax_two_stage`): when every
+    plan ranks more than `COUNT_MAX` entries at some stage (e.g. ``k > COUNT_MAX / 2`` on a long
+    row), or when the best one is modelled to cost more than that route (`_LAX_ROUTE_LAUNCHES`).
+
+    A stage of width ``C`` over ``P`` entries ranks ``ceil(P / C)`` groups (at most `COUNT_MAX`,
+    more than ``k``) and passes ``k * C`` entries on; widths are powers of two, each dividing the
+    one before. Of the feasible plans, the one with the fewest modelled launches: three per stage
+    and two for the final ranking, plus ``rows x (entries ranked)^2 / _COUNTS_PER_LAUNCH``.
+    """
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be in [1, {vocab}], got {k}")
+
+    @functools.cache
+    def best(entries: int, widest: int) -> tuple[float, tuple[int, ...]] | None:
+        options = [(2 + rows * entries**2 / _COUNTS_PER_LAUNCH, ())] if entries <= COUNT_MAX else []
+        chunk = 2
+        while chunk <= widest:
+            groups = -(-entries // chunk)
+            rest = best(k * chunk, chunk // 2) if k < groups <= COUNT_MAX else None
+            if rest is not None:
+                options.append((3 + rows * groups**2 / _COUNTS_PER_LAUNCH + rest[0], (chunk, *rest[1])))
+            chunk *= 2
+        return min(options) if options else None
+
+    plan = best(vocab, _MAX_CHUNK)
+    return None if plan is None or plan[0] > _LAX_ROUTE_LAUNCHES else plan[1]
+
+
+def top_k(x_NV: Float[Array, "... V"], k: int, *, staged: bool | None = None
+          ) -> tuple[Float[Array, "... K"], Int[Array, "... K"]]:
+    """``lax.top_k(x_NV, k)`` exactly (values and int32 indices; ties, ``-0.0 == 0.0`` among them, to
+    the lower index first).
+
+    ``staged``: take it in the stages below (default: on a GPU; where `top_k_plan` gives none, by
+    `_lax_two_stage`). Elsewhere ``lax.top_k`` is XLA's partial sort, which beats the counts: on a
+    2-core CPU 9.5 ms against 20 ms for fifteen rows of 151,936 entries at ``k = 16``, 0.5 ms
+    against 13 ms for 4,096 entries at ``k = 64``.
+
+    In the stages of `top_k_plan`: each splits the entries still in play into groups of ``C``
+    consecutive indices (the row padded with ``-inf`` at indices ``>= V``), ranks the groups by
+    their best entry, (maximum descending, first index ascending), and keeps the entries of the
+    ``k`` first groups; the last step ranks the entries left by (value descending, index
+    ascending) and returns the first ``k``. Every rank is a pairwise count (`_first_k`).
+
+    Why it is exact. Order all entries as ``lax.top_k`` does, by (value descending, index
+    ascending); a group's best entry is its maximum at its lowest index, and since groups are
+    ranges of consecutive indices, comparing groups by (maximum, first index) compares their best
+    entries. Take an entry ``x`` of the true top ``k`` in a group ``g`` that was not kept: each of
+    the ``k`` kept groups has a best entry before ``g``'s, hence before ``x``, so ``k`` distinct
+    entries precede ``x``, a contradiction. So every stage keeps the whole true top ``k``, and the
+    final ranking of a superset of it returns exactly that list. Padding follows every real entry
+    (value ``-inf``, larger index), and ``k <= V`` real entries precede it.
+    """
+    vocab = x_NV.shape[-1]
+    plan = top_k_plan(vocab, k, math.prod(x_NV.shape[:-1]))
+    if not (jax.default_backend() == "gpu" if staged is None else staged):
+        values, ids = jax.lax.top_k(x_NV, k)
+        return values, ids.astype(jnp.int32)
+    if plan is None:
+        return _lax_two_stage(x_NV, k)
+    lead = x_NV.shape[:-1]
+    width = -(-vocab // plan[0]) * plan[0] if plan else vocab
+    x_NW = jnp.pad(x_NV, [(0, 0)] * len(lead) + [(0, width - vocab)], constant_values=-jnp.inf)
+    ids_NP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), x_NW.shape)
+    for chunk in plan:
+        values_NP = x_NW if ids_NP.shape[-1] == width else jnp.take_along_axis(x_NW, ids_NP, axis=-1)
+        groups = ids_NP.shape[-1] // chunk
+        maxima_NG = jnp.max(values_NP.reshape(*lead, groups, chunk), axis=-1)
+        _, firsts_NK = _first_k(maxima_NG, ids_NP[..., ::chunk], k)
+        ids_NP = (firsts_NK[..., None] + jnp.arange(chunk, dtype=jnp.int32)).reshape(*lead, k * chunk)
+    values_NP = x_NW if ids_NP.shape[-1] == width else jnp.take_along_axis(x_NW, ids_NP, axis=-1)
+    return _first_k(values_NP, ids_NP, k)
+
+
+def _lax_two_stage(x_NV, k):
+    """`top_k` through ``lax.top_k`` (for large ``k``): one stage of groups of the power of two
+    nearest ``sqrt(V / k)`` (in ``[8, 1024]``), the best ``k`` groups by ``lax.top_k`` over their
+    maxima, gathered in ascending group order (so that ``lax.top_k``'s lower-position-first ties
+    are lower-index-first ties), then ``lax.top_k`` over those ``k x C`` entries; a plain
+    ``lax.top_k`` where rows are shorter than ``4 k C``. Exact by the argument of `top_k`."""
+    vocab, lead = x_NV.shape[-1], x_NV.shape[:-1]
+    chunk = min(max(2 ** round(math.log2(max(vocab / k, 1.0)) / 2), _MIN_CHUNK), _MAX_CHUNK)
+    groups = -(-vocab // chunk)
+    if vocab < 4 * k * chunk or groups <= k:
+        values, ids = jax.lax.top_k(x_NV, k)
+        return values, ids.astype(jnp.int32)
+    pad = [(0, 0)] * len(lead) + [(0, groups * chunk - vocab)]
+    x_NGC = jnp.pad(x_NV, pad, constant_values=-jnp.inf).reshape(*lead, groups, chunk)
+    _, groups_NK = jax.lax.top_k(jnp.max(x_NGC, axis=-1), k)
+    groups_NK = jnp.sort(groups_NK.astype(jnp.int32), axis=-1)
+    picked = jnp.take_along_axis(x_NGC, groups_NK[..., None], axis=-2).reshape(*lead, k * chunk)
+    values, pos = jax.lax.top_k(picked, k)
+    pos = pos.astype(jnp.int32)
+    return values, jnp.take_along_axis(groups_NK, pos // chunk, axis=-1) * chunk + pos % chunk
+
+
+def _first_k(values_NP, ids_NP, k):
+    """The ``k`` first entries by (value descending, id ascending), ids distinct: ``(values, ids)``
+    ``[..., k]``. Each entry's place is counted from pairwise comparisons, then each output slot
+    takes the entry counted to it (a maximum over a one-hot mask, so ``-0.0`` stays ``-0.0``)."""
+    v_q, v_p = values_NP[..., :, None], values_NP[..., None, :]
+    i_q, i_p = ids_NP[..., :, None], ids_NP[..., None, :]
+    place_NP = jnp.sum((v_q > v_p) | ((v_q == v_p) & (i_q < i_p)), axis=-2, dtype=jnp.int32)
+    hit_NKP = place_NP[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
+    values = jnp.max(jnp.where(hit_NKP, values_NP[..., None, :], -jnp.inf), axis=-1)
+    ids = jnp.max(jnp.where(hit_NKP, ids_NP[..., None, :], -1), axis=-1)
+    return values, ids
 
 
 def ascending_ranks(*keys_P: Array) -> Int[Array, " P"]:
@@ -99,6 +162,15 @@ def ascending_ranks(*keys_P: Array) -> Int[Array, " P"]:
 
 def scatter_by_rank(ranks_P: Int[Array, " P"], values_PX: Array, size: int) -> Array:
     """``out[ranks[p]] = values[p]`` for the ``ranks < size``; ``ranks`` must be distinct and cover
-    ``0..size-1`` (a permutation of ``0..P-1`` with ``P >= size``)."""
-    out = jnp.zeros((size, *values_PX.shape[1:]), values_PX.dtype)
-    return out.at[ranks_P].set(values_PX, mode="drop", unique_indices=True)
+    ``0..size-1`` (a permutation of ``0..P-1`` with ``P >= size``).
+
+    Up to `COUNT_MAX` entries each slot takes the entry ranked to it, a maximum over a one-hot mask
+    (one fused reduction, where XLA's scatter is a kernel of its own); above it, a scatter.
+    """
+    if ranks_P.shape[0] > COUNT_MAX:
+        out = jnp.zeros((size, *values_PX.shape[1:]), values_PX.dtype)
+        return out.at[ranks_P].set(values_PX, mode="drop", unique_indices=True)
+    hit_SP = ranks_P[None, :] == jnp.arange(size, dtype=ranks_P.dtype)[:, None]
+    hit = hit_SP.reshape(*hit_SP.shape, *(1,) * (values_PX.ndim - 1))
+    low = -jnp.inf if jnp.issubdtype(values_PX.dtype, jnp.floating) else jnp.iinfo(values_PX.dtype).min
+    return jnp.max(jnp.where(hit, values_PX[None], low), axis=1)

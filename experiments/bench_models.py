@@ -4,9 +4,10 @@ Per matmul implementation (``--matmul-impls``), attention implementation (``--at
 a GPU ``auto`` is the tree-attention kernel, ``pallas`` that and the q/k norm + RoPE kernel, ``xla``
 both references), batch and context: the target forward of one token
 (the decode step's forward) and of N tree nodes (``--nodes``), and the drafter forward (context
-append + block + LM head); with ``--command-buffers`` each forward is also compiled with XLA's
-command buffers for fusions, library calls and custom calls (the Pallas kernels), so that the step
-runs as CUDA graphs; with ``--profile`` each decode forward's device ops are summed by kind (and
+append + block + LM head); ``--variants`` compiles each forward under several named sets of XLA GPU
+options (`VARIANTS`: command buffers, which run the step as CUDA graphs; an exhaustive GEMM tiling
+search; fusion passes that put more ops into Triton fusions), one variant failing to compile leaving
+the others; with ``--profile`` each decode forward's device ops are summed by kind (and
 the optimized HLO of the first is written next to the JSON with ``--hlo``). One process, warm jit,
 ``block_until_ready``, medians of ``--repeats`` calls. The roofline is the bytes a forward must
 stream (all layer weights + the LM head) over ``--hbm-tbps``.
@@ -34,8 +35,17 @@ from ddtree_jax.experiments import profiling  # noqa: E402
 from ddtree_jax.experiments.bench import SHAPES, make_models, median_ms, streamed_bytes  # noqa: E402
 from ddtree_jax.models import KVCache, drafter_forward, init_cache, target_forward  # noqa: E402
 
-COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION",
-                   "xla_gpu_graph_min_graph_size": 1}
+# name: XLA GPU options every forward is compiled with (``--variants``)
+VARIANTS = {
+    "default": {},
+    "command-buffers": {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION",
+        "xla_gpu_graph_min_graph_size": 1},
+    "exhaustive-tiling": {"xla_gpu_exhaustive_tiling_search": True},
+    "heroless-fusion": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
+    "block-level-fusion": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
+    "cublaslt": {"xla_gpu_enable_cublaslt": True},
+}
 
 
 def filled_cache(cfg, layers, batch, context, slots, dtype):
@@ -75,7 +85,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1")
     ap.add_argument("--contexts", default="1024")
     ap.add_argument("--nodes", default="16,64")
-    ap.add_argument("--command-buffers", action="store_true", help="also time every forward with command buffers")
+    ap.add_argument("--variants", default="default",
+                    help=f"comma-separated names of XLA option sets, from: {', '.join(VARIANTS)}")
     ap.add_argument("--profile", action="store_true", help="sum the device ops of each decode forward by kind")
     ap.add_argument("--hlo", action="store_true", help="write the optimized HLO of the first decode forward")
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
@@ -86,7 +97,10 @@ def main(argv=None):
     roofline_ms = 1e3 * streamed_bytes(target) / (args.hbm_tbps * 1e12)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; weights streamed "
           f"{streamed_bytes(target) / 1e9:.2f} GB, roofline {roofline_ms:.2f} ms", flush=True)
-    variants = [(None, "default")] + ([(COMMAND_BUFFERS, "command buffers")] if args.command_buffers else [])
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    variants = [(VARIANTS[v] or None, v) for v in args.variants.split(",")]
     jobs = []
     for batch in (int(b) for b in args.batches.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
@@ -101,11 +115,15 @@ def main(argv=None):
                                  drafter_runner(target, drafter, batch, context, impl, options, attention)))
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # XLA and Triton compile outside the GIL
-        compiled = list(pool.map(lambda job: job[1][0].lower(*job[1][1]).compile(), jobs))
+        compiled = list(pool.map(compile_or_error, jobs))
     print(f"compiled {len(jobs)} forwards in {time.perf_counter() - start:.0f} s", flush=True)
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for (row, (_, fargs)), fn in zip(jobs, compiled):
+        if isinstance(fn, str):
+            rows.append(dict(row, error=fn))
+            print(f"{row['variant']} {row['forward']}: did not compile: {fn}", flush=True)
+            continue
         ms = median_ms(lambda fn=fn, fargs=fargs: fn(*fargs)[0], args.repeats)
         row.update(ms=ms, vs_roofline=ms / roofline_ms)
         if row["forward"] == "decode" and args.hlo and not any(r["forward"] == "decode" for r in rows):
@@ -119,6 +137,15 @@ def main(argv=None):
               f"{row['forward']:>12}: {ms:8.2f} ms  {ms / roofline_ms:5.2f}x roofline", flush=True)
         args.out.write_text(json.dumps(dict(meta=meta(args, roofline_ms), rows=rows), indent=1))
     print(f"wrote {args.out}")
+
+
+def compile_or_error(job):
+    """The compiled forward of a job, or the first line of the compiler's error."""
+    fn, fargs = job[1]
+    try:
+        return fn.lower(*fargs).compile()
+    except Exception as e:  # noqa: BLE001 (an experimental XLA option may be refused: keep the other variants)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def meta(args, roofline_ms):

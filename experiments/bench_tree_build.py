@@ -7,7 +7,9 @@ budget B (no top-k cap, so K = B):
   full_in_loop  = the same, per build of 20 builds in one call (a ``lax.fori_loop`` over four
                   different drafts): its cost inside a jitted round, where no dispatch is paid
   log_softmax   = the draft log-probabilities alone
-  top_k         = the exact vocabulary top-K the build uses (`selection.top_k`, from log-probabilities)
+  top_k         = the exact vocabulary top-K the build uses (`selection.top_k`, from log-probabilities;
+                  its stages, `selection.top_k_plan`, in the column ``plan``, and whether it equals
+                  ``lax.top_k`` on this device in ``top_k_exact``)
   beam          = the per-depth beam and the global order (`tree_from_top_k`, from the top-K)
   encodings     = attention mask + positions of a built tree
   lax_top_k     = plain ``lax.top_k(lp, K)`` over the vocabulary: what XLA gives for the top-k
@@ -82,9 +84,13 @@ def time_row(draft_logits, budget, repeats) -> dict:
     roots = jnp.zeros((batch,), jnp.int32)
     lp = log_softmax(draft_logits)
     lp_k, tok_k = vocab_top_k(lp, k=k)
+    want_k, want_tok = lax_top_k(lp, k=k)
+    exact = bool(jnp.array_equal(lp_k, want_k) and jnp.array_equal(tok_k, want_tok))
     tree = full(draft_logits, roots, budget=budget)[0]
+    plan = selection.top_k_plan(vocab, k, batch * depth) if jax.default_backend() == "gpu" else None
     return dict(
-        batch=batch, budget=budget, vocab=vocab, depth=depth, k=k, chunk=selection.chunk_size(vocab, k),
+        batch=batch, budget=budget, vocab=vocab, depth=depth, k=k,
+        plan="lax" if plan is None else "x".join(map(str, plan)) or "count", top_k_exact=exact,
         full_ms=median_ms(lambda: full(draft_logits, roots, budget=budget), repeats),
         # step i builds from draft i % 4, so that no build is hoisted out of the loop
         full_in_loop_ms=loop_ms(lambda ops, i, acc: acc + checksum(build_and_encode(ops[0][i % 4], ops[1], budget)),
@@ -126,7 +132,7 @@ def main(argv=None) -> int:
     print(f"backend {meta['backend']}, device {meta['device']}, jax {meta['jax']}, "
           f"empty jitted call {meta['dispatch_ms']:.3f} ms", flush=True)
     header = " ".join(f"{c[:-3]:>11}" for c in COLUMNS)
-    print(f"{'batch':>5} {'B':>5} {'chunk':>5} {header} {'hbm floor':>10}  (ms)", flush=True)
+    print(f"{'batch':>5} {'B':>5} {'plan':>10} {header} {'hbm floor':>10}  (ms)", flush=True)
     rows, start = [], time.perf_counter()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for batch in batches:
@@ -142,7 +148,8 @@ def main(argv=None) -> int:
                     row["profile_full_error"] = repr(e)
             rows.append(row)
             cells = " ".join(f"{row[c]:>11.3f}" for c in COLUMNS)
-            print(f"{batch:>5} {budget:>5} {row['chunk'] or '-':>5} {cells} {row['hbm_floor_ms']:>10.4f}", flush=True)
+            print(f"{batch:>5} {budget:>5} {row['plan']:>10} {cells} {row['hbm_floor_ms']:>10.4f}"
+                  f"{'' if row['top_k_exact'] else '  TOP-K NOT EXACT'}", flush=True)
             meta["elapsed_s"] = time.perf_counter() - start
             with open(args.out, "w") as f:  # after every row: an interrupted run keeps what it measured
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)

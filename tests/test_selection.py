@@ -1,4 +1,4 @@
-"""The exact two-stage top-k and the counted ranks against ``lax.top_k``, ``lax.sort`` and NumPy."""
+"""The exact staged top-k and the counted ranks against ``lax.top_k``, ``lax.sort`` and NumPy."""
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +25,12 @@ def tied_rows(seed, rows, vocab, levels, neg_inf_share):
     return x
 
 
-def assert_top_k_exact(x, k):
-    values, ids = selection.top_k(jnp.asarray(x), k)
+def assert_top_k_exact(x, k, staged=True):
+    """`selection.top_k` (by default its staged path, forced: on a CPU it runs ``lax.top_k``) equals
+    NumPy's stable order and ``lax.top_k``."""
     want_values, want_ids = numpy_top_k(x, k)
     ref_values, ref_ids = jax.lax.top_k(jnp.asarray(x), k)
+    values, ids = selection.top_k(jnp.asarray(x), k, staged=staged)
     assert ids.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_array_equal(np.asarray(values), want_values)
@@ -47,34 +49,57 @@ def test_top_k_matches_lax_and_numpy_with_ties(seed, vocab, k, levels, neg_inf_s
     assert_top_k_exact(tied_rows(seed, 3, vocab, levels, neg_inf_share), k)
 
 
-@pytest.mark.parametrize("vocab,k", [(4099, 16), (1000, 16), (20_000, 300), (4096, 1), (9000, 64)])
-def test_two_stage_path_is_taken_and_exact(vocab, k):
-    chunk = selection.chunk_size(vocab, k)
-    assert chunk is not None and vocab >= 4 * k * chunk
+@pytest.mark.parametrize("vocab,k,rows,stages", [(4099, 16, 2, 1), (20_000, 300, 2, 2), (4096, 1, 2, 1),
+                                                 (9000, 64, 2, 1), (151_936, 16, 15, 2), (30_000, 64, 120, 3),
+                                                 (60_000, 1100, 2, None), (3000, 1500, 2, None)])
+def test_staged_paths_are_exact(vocab, k, rows, stages):
+    """Plans of one to three stages, and the route through ``lax.top_k`` where no plan is (groups,
+    then a plain ``lax.top_k`` on the shorter row)."""
+    plan = selection.top_k_plan(vocab, k, rows)
+    assert (plan is None) if stages is None else (len(plan) == stages), plan
     for seed, levels in enumerate([2, 7, 10_000]):
-        assert_top_k_exact(tied_rows(seed, 2, vocab, levels, 0.1), k)
+        assert_top_k_exact(tied_rows(seed, rows, vocab, levels, 0.1), k)
 
 
-def test_ties_across_chunk_boundaries_keep_lower_ids():
-    """Every chunk holds the same maximum: only the chunk-index tie rule keeps the lowest ids."""
+def test_ties_across_group_boundaries_keep_lower_ids():
+    """Every group holds the same maximum: only the first-index tie rule keeps the lowest ids."""
     vocab, k = 4099, 16
-    chunk = selection.chunk_size(vocab, k)
+    chunk = selection.top_k_plan(vocab, k, 1)[0]
     x = np.zeros((1, vocab), np.float32)
-    x[0, ::chunk] = 1.0  # the first entry of each chunk is its maximum, all equal
-    x[0, -1] = 1.0  # and one in the short last chunk
-    values, ids = selection.top_k(jnp.asarray(x), k)
+    x[0, ::chunk] = 1.0  # the first entry of each group is its maximum, all equal
+    x[0, -1] = 1.0  # and one in the short last group
+    values, ids = selection.top_k(jnp.asarray(x), k, staged=True)
     np.testing.assert_array_equal(np.asarray(ids[0]), np.arange(k) * chunk)
     np.testing.assert_array_equal(np.asarray(values[0]), np.ones(k))
 
 
-@pytest.mark.parametrize("vocab,k,want", [
-    (151_936, 16, 128), (151_936, 64, 64), (151_936, 512, 16), (151_936, 1024, 16),
-    (100, 16, None),  # small rows: a plain top-k
-    (5000, 1000, None),  # k * chunk too close to the row
-    (151_936, 151_936, None),  # k = V
-])
-def test_chunk_size_rule(vocab, k, want):
-    assert selection.chunk_size(vocab, k) == want
+@pytest.mark.parametrize("vocab", [100, 4096, 151_936])
+@pytest.mark.parametrize("k", [1, 16, 64, 512, 2048])
+@pytest.mark.parametrize("rows", [1, 15, 120])
+def test_top_k_plan_rule(vocab, k, rows):
+    """Every stage ranks at most COUNT_MAX groups, more than k, in power-of-two widths that divide
+    the one before; the final ranking takes at most COUNT_MAX entries; None when no plan does (the row
+    is longer than COUNT_MAX and even groups of two would leave more than COUNT_MAX entries) or the
+    best costs more than the route through lax.top_k."""
+    if k > vocab:
+        return
+    plan = selection.top_k_plan(vocab, k, rows)
+    if vocab > selection.COUNT_MAX and 2 * k > selection.COUNT_MAX:
+        assert plan is None
+    if (vocab, k) == (151_936, 512):
+        assert (plan is None) == (rows == 120)  # measured: 7 stages beat lax at 15 rows, not at 120
+    if plan is None:
+        return
+    entries, widest = vocab, 2 * selection._MAX_CHUNK
+    for chunk in plan:
+        groups = -(-entries // chunk)
+        assert chunk & (chunk - 1) == 0 and widest % chunk == 0 and chunk < widest
+        assert k < groups <= selection.COUNT_MAX
+        entries, widest = k * chunk, chunk
+    assert entries <= selection.COUNT_MAX
+    assert plan != () or vocab <= selection.COUNT_MAX
+    if (vocab, k, rows) == (151_936, 16, 15):
+        assert len(plan) <= 2  # one request's draft at budget 16: few launches
 
 
 @pytest.mark.parametrize("vocab,k", [(2, 2), (3, 1), (17, 17), (64, 40)])
@@ -82,14 +107,21 @@ def test_top_k_small_rows_and_k_equal_vocab(vocab, k):
     assert_top_k_exact(tied_rows(vocab, 4, vocab, 3, 0.2), k)
 
 
+@pytest.mark.parametrize("vocab,k", [(5, 2), (4099, 16)])
+def test_top_k_default_path(vocab, k):
+    """What the backend picks (``lax.top_k`` off a GPU, the stages on one)."""
+    assert_top_k_exact(tied_rows(1, 2, vocab, 5, 0.1), k, staged=None)
+
+
 def test_top_k_rejects_bad_k():
-    with pytest.raises(ValueError, match="k must be in"):
-        selection.top_k(jnp.zeros((2, 5)), 6)
+    for staged in (True, None):
+        with pytest.raises(ValueError, match="k must be in"):
+            selection.top_k(jnp.zeros((2, 5)), 6, staged=staged)
 
 
 def test_top_k_under_vmap_and_leading_axes():
     x = tied_rows(3, 2 * 3 * 5000, 1, 5, 0.0).reshape(2, 3, 5000)
-    values, ids = jax.vmap(lambda r: selection.top_k(r, 20))(jnp.asarray(x))
+    values, ids = jax.vmap(lambda r: selection.top_k(r, 20, staged=True))(jnp.asarray(x))
     want_values, want_ids = numpy_top_k(x, 20)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_array_equal(np.asarray(values), want_values)
@@ -115,6 +147,10 @@ def test_ascending_ranks_is_the_stable_lexicographic_sort(seed, n, num_keys, lev
     values = rng.integers(0, 1000, (n, 2)).astype(np.int32)
     scattered = selection.scatter_by_rank(jnp.asarray(got), jnp.asarray(values), size)
     np.testing.assert_array_equal(np.asarray(scattered), values[order[:size]])
+    floats = np.where(values[:, 0] % 3 == 0, -np.inf, np.where(values[:, 0] % 3 == 1, -0.0, values[:, 0]))
+    scattered = np.asarray(selection.scatter_by_rank(jnp.asarray(got), jnp.asarray(floats, np.float32), size))
+    np.testing.assert_array_equal(scattered, floats[order[:size]])
+    np.testing.assert_array_equal(np.signbit(scattered), np.signbit(floats[order[:size]]))  # -0.0 stays
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in subtract")  # the oracle's z - max z: the point here

@@ -1,5 +1,6 @@
 """build_tree and the encodings against the NumPy oracle, plus structural properties."""
 
+import functools
 import itertools
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ddtree_jax import oracle
+from ddtree_jax import oracle, selection, tree
 from ddtree_jax.tree import (
     build_tree,
     compile_retrieve,
@@ -68,6 +69,22 @@ def test_build_tree_matches_oracle(case):
     np.testing.assert_array_equal(np.asarray(tree_attention_mask(got)), oracle.tree_attention_mask(got))
     prefix = np.arange(batch, dtype=np.int32) * 7 + 3
     np.testing.assert_array_equal(np.asarray(tree_positions(got, prefix)), oracle.tree_positions(got, prefix))
+
+
+@pytest.mark.parametrize("case", [(0, 2, 15, 50_000, 64, None, True), (1, 1, 15, 151_936, 16, None, False),
+                                  (2, 3, 6, 3000, 40, 8, True), (3, 2, 4, 5, 30, None, False)])
+def test_build_with_the_staged_top_k_matches_oracle(case, monkeypatch):
+    """The build as a GPU runs it: the staged vocabulary top-k (on a CPU `selection.top_k` is
+    ``lax.top_k``), heavy ties included."""
+    monkeypatch.setattr(tree.selection, "top_k", functools.partial(selection.top_k, staged=True))
+    jax.clear_caches()  # build_tree_unchecked is traced again with the staged top-k
+    seed, batch, depth, vocab, budget, cap, ties = case
+    logits = draft_logits(seed, batch, depth, vocab, ties)
+    roots = np.arange(batch) % vocab
+    assert_same_tree(build_tree(logits, roots, budget=budget, topk_cap=cap),
+                     oracle.build_tree(logits, roots, budget=budget, topk_cap=cap))
+    monkeypatch.undo()
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
