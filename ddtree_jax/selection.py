@@ -131,14 +131,20 @@ def _lax_two_stage(x_NV, k):
 def _first_k(values_NP, ids_NP, k):
     """The ``k`` first entries by (value descending, id ascending), ids distinct: ``(values, ids)``
     ``[..., k]``. Each entry's place is counted from pairwise comparisons, then each output slot
-    takes the entry counted to it (a maximum over a one-hot mask, so ``-0.0`` stays ``-0.0``)."""
+    takes the entry counted to it (`_take_by_rank`)."""
     v_q, v_p = values_NP[..., :, None], values_NP[..., None, :]
     i_q, i_p = ids_NP[..., :, None], ids_NP[..., None, :]
     place_NP = jnp.sum((v_q > v_p) | ((v_q == v_p) & (i_q < i_p)), axis=-2, dtype=jnp.int32)
-    hit_NKP = place_NP[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
-    values = jnp.max(jnp.where(hit_NKP, values_NP[..., None, :], -jnp.inf), axis=-1)
-    ids = jnp.max(jnp.where(hit_NKP, ids_NP[..., None, :], -1), axis=-1)
-    return values, ids
+    return _take_by_rank(place_NP, values_NP, k), _take_by_rank(place_NP, ids_NP, k)
+
+
+def _take_by_rank(ranks_NP, values_NP, size):
+    """``out[..., s] = values[..., p]`` for the ``p`` with ``ranks[..., p] == s < size`` (ranks distinct
+    along the last axis): a maximum over a one-hot mask, one fused reduction, exact (``-0.0`` and
+    ``-inf`` stay)."""
+    hit_NSP = ranks_NP[..., None, :] == jnp.arange(size, dtype=ranks_NP.dtype)[:, None]
+    low = -jnp.inf if jnp.issubdtype(values_NP.dtype, jnp.floating) else jnp.iinfo(values_NP.dtype).min
+    return jnp.max(jnp.where(hit_NSP, values_NP[..., None, :], low), axis=-1)
 
 
 def ascending_ranks(*keys_P: Array) -> Int[Array, " P"]:
@@ -164,13 +170,10 @@ def scatter_by_rank(ranks_P: Int[Array, " P"], values_PX: Array, size: int) -> A
     """``out[ranks[p]] = values[p]`` for the ``ranks < size``; ``ranks`` must be distinct and cover
     ``0..size-1`` (a permutation of ``0..P-1`` with ``P >= size``).
 
-    Up to `COUNT_MAX` entries each slot takes the entry ranked to it, a maximum over a one-hot mask
-    (one fused reduction, where XLA's scatter is a kernel of its own); above it, a scatter.
+    Up to `COUNT_MAX` entries each slot takes the entry ranked to it (`_take_by_rank`: one fused
+    reduction, where XLA's scatter is a kernel of its own); above it, a scatter.
     """
     if ranks_P.shape[0] > COUNT_MAX:
         out = jnp.zeros((size, *values_PX.shape[1:]), values_PX.dtype)
         return out.at[ranks_P].set(values_PX, mode="drop", unique_indices=True)
-    hit_SP = ranks_P[None, :] == jnp.arange(size, dtype=ranks_P.dtype)[:, None]
-    hit = hit_SP.reshape(*hit_SP.shape, *(1,) * (values_PX.ndim - 1))
-    low = -jnp.inf if jnp.issubdtype(values_PX.dtype, jnp.floating) else jnp.iinfo(values_PX.dtype).min
-    return jnp.max(jnp.where(hit, values_PX[None], low), axis=1)
+    return jnp.moveaxis(_take_by_rank(ranks_P, jnp.moveaxis(values_PX, 0, -1), size), -1, 0)
