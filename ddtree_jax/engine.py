@@ -351,7 +351,8 @@ def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *,
         drafter_cache = init_cache(dc.num_hidden_layers, batch, dc.num_key_value_heads, max_len, dc.head_dim,
                                    drafter.dtype)
         drafter_cache = append_context(drafter, drafter_cache, taps, positions, committed,
-                                       kernels.matmul_fn(spec.matmul_impl, mesh))
+                                       kernels.matmul_fn(spec.matmul_impl, mesh),
+                                       kernels.kv_write_fn(spec.attention_impl, mesh))
     feats = taps.shape[-1]
     state = DecodeState(
         target_cache=cache,

@@ -15,6 +15,8 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the s
   ============  =======================================================  =========
   attention     pallas when ``head_dim`` is a power of two >= 16 and       xla
                 q/k/v share a float dtype (`tree_attention.kernel_supports`)
+  K/V cache    pallas when the key/value heads and ``head_dim`` are     xla
+  write         powers of two (`kv_write.kernel_supports`)
   q/k norm +    xla: the one-launch kernel (`qk_norm_rope`, run by         xla
   RoPE          ``attention_impl="pallas"``) measured no faster than XLA's
                 fusions in a whole Qwen3-8B forward on an H200 (BENCHMARKS.md)
@@ -45,6 +47,9 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax.sharding import cache_spec, tp_size
 from ddtree_jax.verify import result_from_path, verify_from_coins
 from pallas_kernels import configs
+from pallas_kernels.kv_write import kernel_supports as kv_write_supports
+from pallas_kernels.kv_write import kv_write
+from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope import qk_norm_rope
@@ -121,6 +126,24 @@ def qk_norm_rope_fn(impl: str, mesh: Mesh | None = None):
         return fn(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads=heads, kv_heads=kv_heads, eps=eps)
 
     return split_norm_rotate
+
+
+def kv_write_fn(impl: str, mesh: Mesh | None = None):
+    """The write of a forward's new K/V into the stacked caches for ``impl`` (the models pass their
+    ``attention_impl``), with the signature of ``kv_write_reference``. The kernel (`kv_write`, the
+    caches updated in place) runs where it applies (`kv_write.kernel_supports`, decided when traced)
+    for ``"pallas"``, ``"interpret"`` and, on a supported GPU, ``"auto"``; under a mesh (where XLA
+    partitions the scatter over the cache's shards) and for ``"xla"``, the reference."""
+    impl = check_impl("attention_impl", impl)
+    if impl == "xla" or mesh is not None or (impl == "auto" and not pallas_gpu()):
+        return kv_write_reference
+    kernel = functools.partial(kv_write, interpret=impl == "interpret")
+
+    def write(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, *, layer):
+        fn = kernel if kv_write_supports(k_LBKSD) else kv_write_reference
+        return fn(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer)
+
+    return write
 
 
 # Fewer rows than this go to XLA's GEMM zero-padded to this many, by CUDA compute capability (``auto``

@@ -88,6 +88,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="default",
                     help=f"comma-separated names of XLA option sets, from: {', '.join(VARIANTS)}")
     ap.add_argument("--profile", action="store_true", help="sum the device ops of each decode forward by kind")
+    ap.add_argument("--profile-ops", type=int, default=15, help="ops listed per profile, the longest first")
     ap.add_argument("--hlo", action="store_true", help="write the optimized HLO of the first decode forward")
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
     ap.add_argument("--repeats", type=int, default=20)
@@ -129,7 +130,8 @@ def main(argv=None):
         if row["forward"] == "decode" and args.hlo and not any(r["forward"] == "decode" for r in rows):
             (args.out.parent / f"{args.out.stem}_decode_{row['matmul_impl']}.hlo.txt").write_text(fn.as_text())
         if row["forward"] == "decode" and args.profile:
-            row["profile"] = profiling.device_op_times(lambda fn=fn, fargs=fargs: fn(*fargs)[0])
+            row["profile"] = profiling.device_op_times(lambda fn=fn, fargs=fargs: fn(*fargs)[0],
+                                                       top=args.profile_ops)
             print(profiling.format_summary(row["profile"], ops=12), flush=True)
         rows.append(row)
         print(f"batch {row['batch']} ctx {row['context']} {row['matmul_impl']:6s} {row['attention_impl']:6s} "

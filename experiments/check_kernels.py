@@ -17,13 +17,17 @@ device, over shapes too large for the CPU.
   shapes; within bf16 rounding of the float32-accumulated reference. ``matmul_auto``: the same
   cases through ``kernels.matmul_fn("auto")`` (the models' default: XLA, with few rows padded).
 - ``forward_auto``: whole target forwards (Qwen3-8B layers, four of them, random bf16 weights) with
-  ``matmul_impl="auto"`` (on sm_90 every product of fewer than 16 rows zero-padded to 16) against
-  ``"xla"``: decode steps at batch 1 and 3 and a 16-node verify; logits, taps and the
-  new cache entries within 5% of their scale (bf16 roundings compound over the layers).
+  ``matmul_impl="auto"`` and ``attention_impl="auto"`` (on sm_90 every product of fewer than 16 rows
+  zero-padded to 16; the attention and K/V-write kernels) against ``"xla"`` for both: decode steps at
+  batch 1 and 3 and a 16-node verify; logits, taps and the new cache entries within 5% of their
+  scale (bf16 roundings compound over the layers).
 - ``rope``: the q/k norm + RoPE kernel (``kernels.qk_norm_rope_fn("pallas")``) against its reference
   at Qwen3-8B and Qwen3-30B-A3B heads, decode, verify and prefill rows, positions to 128k, bf16 and
   fp32; ``v`` must be identical, ``q`` and ``k`` within 0.04 in bf16 (a rounding of values up to
   about 8) and 8e-5 in fp32.
+- ``kv_write``: the K/V cache-write kernel (``kernels.kv_write_fn("pallas")``) against its reference,
+  bit for bit: decode, verify and prefill rows, slots past the cache's end (dropped), and a stacked
+  cache of more than 2**31 elements written in its last layer.
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
 """
@@ -46,6 +50,7 @@ from ddtree_jax.models import KVCache, Qwen3Config, init_target, target_forward
 from ddtree_jax.verify import verify_from_coins
 from experiments.bench_kernels import compare_results, fused_sampler, sampling_inputs
 from pallas_kernels.configs import tree_attention_config
+from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables
 from pallas_kernels.tree_attention import tree_attention
@@ -142,7 +147,7 @@ FORWARD_CASES = [(1, 1), (3, 1), (1, 16)]
 
 
 def check_forward(shapes=None, cases=FORWARD_CASES, layers=4, context=40):
-    """Target forwards with ``matmul_impl="auto"`` against ``"xla"`` (see the module docstring);
+    """Target forwards with ``"auto"`` matmuls and attention against ``"xla"`` (see the module docstring);
     ``shapes``: the target's config fields (default Qwen3-8B's, ``layers`` of them)."""
     fields = dict(SHAPES["qwen3-8b"]["target"] if shapes is None else shapes, num_hidden_layers=layers)
     target = init_target(Qwen3Config(**fields), jax.random.key(0), jnp.bfloat16)
@@ -160,7 +165,8 @@ def check_forward(shapes=None, cases=FORWARD_CASES, layers=4, context=40):
 
         def check(args=(tokens, positions, mask, cache)):
             def outputs(impl):
-                logits, taps, new = target_forward(target, *args, tap_layers=(0, layers - 1), matmul_impl=impl)
+                logits, taps, new = target_forward(target, *args, tap_layers=(0, layers - 1), matmul_impl=impl,
+                                                   attention_impl=impl)
                 return dict(logits=logits, taps=taps, cache_k=new.k[..., context:, :], cache_v=new.v[..., context:, :])
 
             got, want = outputs("auto"), outputs("xla")
@@ -200,6 +206,36 @@ def check_rope(interpret=False, cases=ROPE_CASES, head_dim=128):
             errs = [float(np.abs(o - r).max()) for o, r in zip(outs, refs, strict=True)]
             ok = all(np.isfinite(o).all() for o in outs) and max(errs[:2]) <= tol and errs[2] == 0
             return dict(max_abs_err_q=errs[0], max_abs_err_k=errs[1], max_abs_err_v=errs[2], ok=bool(ok))
+
+        records.append(_run_case(record, check))
+    return records
+
+
+# (layers, batch, new rows, kv_heads, head_dim, slots, lengths (cycled over the batch), dtype); the last
+# case's caches hold 36 x 8 x 8 x 8400 x 128 > 2**31 elements each, where offsets need 64 bits.
+KV_WRITE_CASES = [(4, 1, 1, 8, 128, 1100, [1024], "bfloat16"), (4, 1, 65, 8, 128, 1100, [1024], "bfloat16"),
+                  (3, 8, 17, 4, 128, 300, [0, 290, 17, 283], "bfloat16"), (2, 2, 512, 8, 64, 600, [0, 300], "float32"),
+                  (36, 8, 16, 8, 128, 8400, [8192, 8390, 8384, 5], "bfloat16")]
+
+
+def check_kv_write(interpret=False, cases=KV_WRITE_CASES):
+    """The K/V cache-write kernel (``kernels.kv_write_fn("pallas")``, or interpreted) against its
+    reference, written into the last layer; identical caches required."""
+    write = jax.jit(kernels.kv_write_fn("interpret" if interpret else "pallas"), static_argnames="layer")
+    records = []
+    for seed, (layers, batch, num, kv_heads, head_dim, slots, lengths, dtype) in enumerate(cases):
+        keys = jax.random.split(jax.random.key(seed), 4)
+        caches = [jax.random.normal(key, (layers, batch, kv_heads, slots, head_dim), dtype) for key in keys[:2]]
+        new = [jax.random.normal(key, (batch, num, kv_heads, head_dim), dtype) for key in keys[2:]]
+        lengths_B = jnp.asarray(np.resize(np.asarray(lengths), batch), jnp.int32)
+        record = dict(part="kv_write", layers=layers, batch=batch, rows=num, kv_heads=kv_heads, slots=slots,
+                      dtype=dtype)
+
+        def check(args=(*caches, *new, lengths_B), layer=layers - 1):
+            refs = kv_write_reference(*args, layer=layer)
+            outs = write(*args, layer=layer)
+            same = [bool(jnp.array_equal(o, r)) for o, r in zip(outs, refs, strict=True)]
+            return dict(identical_k=same[0], identical_v=same[1], ok=all(same))
 
         records.append(_run_case(record, check))
     return records
@@ -284,24 +320,26 @@ def _check_attention_backend(record, args, scale, ref, backend):
     return _run_case(record, check)
 
 
+PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope", "kv_write")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--backends", default="triton",
                         help="comma-separated tree-attention backends to check: triton, mosaic")
-    parser.add_argument("--parts", default="attention,sampling,matmul,matmul_auto,forward_auto,rope",
-                        help="attention, sampling, matmul, matmul_auto, forward_auto and/or rope")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     args = parser.parse_args(argv)
     backends = tuple(args.backends.split(","))
     if not set(backends) <= {"triton", "mosaic"}:
         raise ValueError(f"--backends must list triton and/or mosaic, got {args.backends!r}")
     parts = args.parts.split(",")
-    if not set(parts) <= {"attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope"}:
-        raise ValueError(f"--parts must list attention, sampling, matmul, matmul_auto, forward_auto and/or rope, "
-                         f"got {args.parts!r}")
+    if not set(parts) <= set(PARTS):
+        raise ValueError(f"--parts must list some of {PARTS}, got {args.parts!r}")
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul,
-                  matmul_auto=functools.partial(check_matmul, impl="auto"), forward_auto=check_forward, rope=check_rope)
+                  matmul_auto=functools.partial(check_matmul, impl="auto"), forward_auto=check_forward, rope=check_rope,
+                  kv_write=check_kv_write)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

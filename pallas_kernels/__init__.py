@@ -7,6 +7,8 @@
   (walk + final draw); ``tree_sample_reference`` is its jnp specification, same signature.
 - ``matmul``: the skinny matrix products of decoding (split-K, RMSNorm prologue, SwiGLU and
   residual epilogues); reference ``matmul_reference``.
+- ``kv_write``: a forward's new keys and values into the stacked KV caches, in place; reference
+  ``kv_write_reference``.
 - ``qk_norm_rope``: a layer's q/k/v split, per-head q/k RMSNorm and RoPE in one launch; reference
   ``qk_norm_rope_reference``.
 
@@ -15,6 +17,8 @@ This package imports nothing from ``ddtree_jax``: the library's dispatch module
 """
 
 from pallas_kernels.configs import MatmulConfig, TreeAttentionConfig, tree_attention_config
+from pallas_kernels.kv_write import kv_write
+from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope import qk_norm_rope
@@ -23,6 +27,6 @@ from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample_reference
 
-__all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "matmul", "matmul_reference", "qk_norm_rope",
-           "qk_norm_rope_reference", "tree_attention", "tree_attention_config", "tree_attention_reference",
-           "tree_sample", "tree_sample_reference"]
+__all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "kv_write", "kv_write_reference", "matmul",
+           "matmul_reference", "qk_norm_rope", "qk_norm_rope_reference", "tree_attention", "tree_attention_config",
+           "tree_attention_reference", "tree_sample", "tree_sample_reference"]

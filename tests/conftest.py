@@ -9,6 +9,8 @@ import pytest
 
 _CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
 
+_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
 _started = {}  # module name -> (module, what its start_background() returned)
 
 
@@ -30,6 +32,13 @@ def pytest_configure(config):
         os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="ddtree-jax-tests-")
         config.stash[_owned_cache] = os.environ[_CACHE_DIR]
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    # The tests' programs are small and most run a few times: XLA's CPU backend spends longer
+    # optimizing their machine code than running it (two modules: 292 s -> 208 s). Only the code
+    # generator's effort changes, not the programs (float sums may round differently). Set before the
+    # backend starts, in the environment that the tests' subprocesses inherit.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_FAST_COMPILE_FLAGS}".strip()
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 

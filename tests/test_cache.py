@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.models import KVCache, check_capacity, commit, init_cache
-from ddtree_jax.models.cache import write_scratch
+from pallas_kernels.kv_write_reference import write_scratch
 from pallas_kernels.tree_attention_reference import tree_attention_reference as attention
 
 

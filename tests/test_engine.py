@@ -244,7 +244,7 @@ def test_all_methods_share_one_round_function():
 
 
 def test_pallas_kernels_behind_the_switches_give_the_same_tokens():
-    """The Pallas attention and fused sampler (interpreted on CPU) plug into the same round."""
+    """The Pallas attention, K/V write and fused sampler (interpreted on CPU) plug into the same round."""
     target, drafter = tiny_pair(vocab=8, head_dim=16)
     kw = dict(method="ddtree", budget=6, max_new_tokens=5, temperature=np.array([0.0, 1.0, 0.7, 1.0]),
               top_p=np.array([1.0, 1.0, 0.8, 1.0]), top_k=np.array([0, 0, 0, 3]), key=jax.random.key(4))

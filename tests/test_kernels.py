@@ -88,7 +88,8 @@ def test_auto_matmul_is_xla_with_few_rows_padded_on_hopper(hopper, monkeypatch):
 @pytest.mark.parametrize("norm, gated, residual, columns", [(False, False, False, None), (True, True, False, None),
                                                             (True, False, True, (4, 20)), (False, True, True, None)])
 def test_rows_padded_gives_the_products_of_the_rows(m, norm, gated, residual, columns):
-    """Zero rows appended before the product and cut after it change none of the real rows."""
+    """Zero rows appended before the product and cut after it change none of the real rows (up to float32
+    rounding: the CPU code of a 16-row product may sum in another order than that of one row)."""
     from pallas_kernels.matmul_reference import matmul_reference
 
     keys = jax.random.split(jax.random.key(m), 4)
@@ -100,7 +101,7 @@ def test_rows_padded_gives_the_products_of_the_rows(m, norm, gated, residual, co
     want = np.asarray(matmul_reference(x, w, **kwargs))
     got = np.asarray(kernels.rows_padded(matmul_reference, 16)(x, w, **kwargs))
     assert got.shape == want.shape == (m, n_out)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_matmul_kernel_refuses_a_mesh():

@@ -63,17 +63,6 @@ def check_cache_shape(cache: KVCache, *, num_layers, batch, kv_heads, head_dim) 
                          f"match (layers, batch, kv_heads, max_len, head_dim) = {want} and lengths ({batch},)")
 
 
-def write_scratch(cache_LBKSD, layer, new_BNKD, lengths_B):
-    """Write ``new [B, N, K, D]`` at slots ``[lengths[b], lengths[b] + N)`` of one layer.
-
-    Slots at or beyond ``max_len`` are dropped (never wrapped or clamped onto other slots).
-    """
-    batch, num_new = new_BNKD.shape[:2]
-    slots_BN = lengths_B[:, None] + jnp.arange(num_new)[None, :]
-    batch_BN = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, num_new))
-    return cache_LBKSD.at[layer, batch_BN, :, slots_BN].set(new_BNKD.astype(cache_LBKSD.dtype), mode="drop")
-
-
 def commit(cache: KVCache, keep_BA, num_keep_B) -> KVCache:
     """Keep chosen scratch slots and advance ``lengths``.
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ddtree_jax import kernels
 from ddtree_jax.models import layers as L
-from ddtree_jax.models.cache import KVCache, check_cache_shape, write_scratch
+from ddtree_jax.models.cache import KVCache, check_cache_shape
 from ddtree_jax.models.params import DrafterParams, Model
 from ddtree_jax.models.qwen3 import (
     Target,
@@ -31,6 +31,7 @@ from ddtree_jax.models.qwen3 import (
     target_forward_nocache,
 )
 from ddtree_jax.sharding import check_mesh
+from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul_reference import matmul_reference, rms_norm
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables
 
@@ -184,19 +185,18 @@ def drafter_hidden(drafter: Drafter, target: Target, ctx_feats_BCF, ctx_position
 
 
 def append_context(drafter: Drafter, cache: KVCache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B,
-                   matmul=matmul_reference) -> KVCache:
+                   matmul=matmul_reference, kv_write=kv_write_reference) -> KVCache:
     """Project the first ``ctx_count[b]`` rows of the raw target taps ``ctx_feats [B, C, F]`` (at
     ``ctx_positions [B, C]``) to every layer's context K/V, write them after the committed slots and
     advance ``lengths`` (no validation; `drafter_forward` does this as its first step). ``matmul``:
-    a `kernels.matmul_fn` for the projections."""
+    a `kernels.matmul_fn` for the projections; ``kv_write``: a `kernels.kv_write_fn` for the writes."""
     shape = L.layer_shape(drafter.config)
     feat_BCD = context_features(drafter, ctx_feats_BCF, matmul)
     k_LBKSD, v_LBKSD = cache.k, cache.v
     rope_BCF = rope_tables(ctx_positions_BC, shape.head_dim, shape.rope_theta)
     for i, layer in enumerate(drafter.params.layers):
         k_BCKD, v_BCKD = L.key_value(layer, feat_BCD, rope_BCF, shape, matmul)
-        k_LBKSD = write_scratch(k_LBKSD, i, k_BCKD, cache.lengths)
-        v_LBKSD = write_scratch(v_LBKSD, i, v_BCKD, cache.lengths)
+        k_LBKSD, v_LBKSD = kv_write(k_LBKSD, v_LBKSD, k_BCKD, v_BCKD, cache.lengths, layer=i)
     lengths_B = jnp.minimum(cache.lengths + ctx_count_B.astype(jnp.int32), cache.max_len)
     return KVCache(k=k_LBKSD, v=v_LBKSD, lengths=lengths_B)
 
@@ -206,7 +206,8 @@ def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ct
                      root_tokens_B, root_positions_B, attention_impl, matmul_impl, mesh):
     cfg = drafter.config
     matmul = kernels.matmul_fn(matmul_impl, mesh)
-    cache = append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B, matmul)
+    cache = append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B, matmul,
+                           kernels.kv_write_fn(attention_impl, mesh))
     batch = root_tokens_B.shape[0]
     block_tokens_BQ = _block_tokens(cfg, root_tokens_B)
     block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import kernels
-from ddtree_jax.models.cache import KVCache, write_scratch
+from ddtree_jax.models.cache import KVCache
 from ddtree_jax.models.params import DecoderLayer
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope_reference import norm_rotate, qk_norm_rope_reference, rope_tables
@@ -96,13 +96,14 @@ def layer_output(layer, x_BND, attn_BNHD, shape: LayerShape, matmul=matmul_refer
 
 def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads: bool = True):
     """The `run_decoder` attention step over a `KVCache` state: write layer i's new K/V to the
-    scratch slots ``[lengths, lengths + N)``, then attention (``impl``, ``mesh`` and
-    ``split_heads``: see `kernels.attention_fn`) over the cache with ``mask``."""
+    scratch slots ``[lengths, lengths + N)`` (`kernels.kv_write_fn`), then attention (``impl``,
+    ``mesh`` and ``split_heads``: see `kernels.attention_fn`) over the cache with ``mask``."""
     attend_fn = kernels.attention_fn(impl, mesh, split_heads=split_heads)
+    write_fn = kernels.kv_write_fn(impl, mesh)
 
     def attend(i, q_BNHD, k_BNKD, v_BNKD, cache: KVCache):
-        cache = KVCache(k=write_scratch(cache.k, i, k_BNKD, cache.lengths),
-                        v=write_scratch(cache.v, i, v_BNKD, cache.lengths), lengths=cache.lengths)
+        k_LBKSD, v_LBKSD = write_fn(cache.k, cache.v, k_BNKD, v_BNKD, cache.lengths, layer=i)
+        cache = KVCache(k=k_LBKSD, v=v_LBKSD, lengths=cache.lengths)
         return attend_fn(q_BNHD, cache.k, cache.v, cache.lengths, mask_BNM, scale=scale, layer=i), cache
 
     return attend
