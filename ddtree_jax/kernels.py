@@ -15,11 +15,14 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the s
   ============  =======================================================  =========
   attention     pallas when ``head_dim`` is a power of two >= 16 and       xla
                 q/k/v share a float dtype (`tree_attention.kernel_supports`)
-  K/V cache    pallas when the key/value heads and ``head_dim`` are     xla
-  write         powers of two (`kv_write.kernel_supports`)
-  q/k norm +    xla: the one-launch kernel (`qk_norm_rope`, run by         xla
-  RoPE          ``attention_impl="pallas"``) measured no faster than XLA's
-                fusions in a whole Qwen3-8B forward on an H200 (BENCHMARKS.md)
+  q/k norm +    pallas, one kernel (`qk_norm_rope_write`) when head counts,  xla
+  RoPE + K/V    ``head_dim / 2`` and the caches' heads are powers of two,
+  cache write   without a mesh: the AR round 5.36 -> 5.04 ms on an H200
+                (BENCHMARKS.md). Where the norms run alone (the packed
+                rows of ``budget_policy="batch"``), xla: the one-launch
+                `qk_norm_rope` measured no faster than XLA's fusions; the
+                write alone (that path, the drafter's context) is the
+                `kv_write` kernel where its heads are powers of two
   matmul        xla: XLA's own Triton GEMMs streamed the decode step's     xla
                 weights faster than the skinny-matmul kernel at every
                 Qwen3-8B projection but one on an H200 (BENCHMARKS.md);
@@ -52,7 +55,7 @@ from pallas_kernels.kv_write import kv_write
 from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference
-from pallas_kernels.qk_norm_rope import qk_norm_rope
+from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
 from pallas_kernels.qk_norm_rope import kernel_supports as qk_norm_rope_supports
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
 from pallas_kernels.tree_attention import kernel_supports, tree_attention
@@ -144,6 +147,32 @@ def kv_write_fn(impl: str, mesh: Mesh | None = None):
         return fn(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer)
 
     return write
+
+
+def qk_norm_rope_write_fn(impl: str, mesh: Mesh | None = None):
+    """A layer's q/k norms and RoPE with the write of its new K/V into the stacked caches, for ``impl``
+    (the models pass their ``attention_impl``), with the signature of ``qk_norm_rope_write_reference``.
+    One kernel (`qk_norm_rope_write`) where it applies (the conditions of both `kernel_supports`,
+    decided when traced) for ``"pallas"``, ``"interpret"`` and, on a supported GPU, ``"auto"``;
+    elsewhere `qk_norm_rope_fn` then `kv_write_fn` of the same ``impl``."""
+    impl = check_impl("attention_impl", impl)
+    split, write = qk_norm_rope_fn(impl, mesh), kv_write_fn(impl, mesh)
+
+    def separately(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, **kwargs):
+        q_BNHD, k_BNKD, v_BNKD = split(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, **kwargs)
+        return (q_BNHD, *write(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer))
+
+    if impl == "xla" or mesh is not None or (impl == "auto" and not pallas_gpu()):
+        return separately
+    kernel = functools.partial(qk_norm_rope_write, interpret=impl == "interpret")
+
+    def fused(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, heads, kv_heads,
+              eps):
+        ok = qk_norm_rope_supports(qkv_BNC, heads, kv_heads) and kv_write_supports(k_LBKSD)
+        return (kernel if ok else separately)(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD,
+                                             lengths_B, layer=layer, heads=heads, kv_heads=kv_heads, eps=eps)
+
+    return fused
 
 
 # Fewer rows than this go to XLA's GEMM zero-padded to this many, by CUDA compute capability (``auto``

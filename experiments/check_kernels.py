@@ -25,6 +25,9 @@ device, over shapes too large for the CPU.
   at Qwen3-8B and Qwen3-30B-A3B heads, decode, verify and prefill rows, positions to 128k, bf16 and
   fp32; ``v`` must be identical, ``q`` and ``k`` within 0.04 in bf16 (a rounding of values up to
   about 8) and 8e-5 in fp32.
+- ``rope_write``: the q/k norm + RoPE + K/V-write kernel (``kernels.qk_norm_rope_write_fn("pallas")``)
+  against its reference: ``q`` and the key cache within the ``rope`` tolerances, the value cache
+  identical, with slots past the end dropped.
 - ``kv_write``: the K/V cache-write kernel (``kernels.kv_write_fn("pallas")``) against its reference,
   bit for bit: decode, verify and prefill rows, slots past the cache's end (dropped), and a stacked
   cache of more than 2**31 elements written in its last layer.
@@ -52,7 +55,7 @@ from experiments.bench_kernels import compare_results, fused_sampler, sampling_i
 from pallas_kernels.configs import tree_attention_config
 from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul_reference import matmul_reference
-from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables
+from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, qk_norm_rope_write_reference, rope_tables
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
@@ -218,6 +221,41 @@ KV_WRITE_CASES = [(4, 1, 1, 8, 128, 1100, [1024], "bfloat16"), (4, 1, 65, 8, 128
                   (36, 8, 16, 8, 128, 8400, [8192, 8390, 8384, 5], "bfloat16")]
 
 
+# (layers, batch, rows per request, heads, kv_heads, slots, lengths (cycled over the batch), dtype)
+ROPE_WRITE_CASES = [(4, 1, 1, 32, 8, 1100, [1024], "bfloat16"), (4, 1, 65, 32, 8, 1100, [1024], "bfloat16"),
+                    (3, 8, 17, 32, 4, 300, [0, 290, 17, 283], "bfloat16"),
+                    (2, 3, 33, 32, 8, 100, [0, 80, 5], "float32")]
+
+
+def check_rope_write(interpret=False, cases=ROPE_WRITE_CASES, head_dim=128):
+    """The q/k norm + RoPE + K/V-write kernel (``kernels.qk_norm_rope_write_fn("pallas")``, or interpreted)
+    against its reference, written into the last layer."""
+    fused = jax.jit(kernels.qk_norm_rope_write_fn("interpret" if interpret else "pallas"),
+                    static_argnames=("layer", "heads", "kv_heads", "eps"))
+    records = []
+    for seed, (layers, batch, num, heads, kv_heads, slots, lengths, dtype) in enumerate(cases):
+        keys = jax.random.split(jax.random.key(seed), 6)
+        qkv = (3 * jax.random.normal(keys[0], (batch, num, (heads + 2 * kv_heads) * head_dim))).astype(dtype)
+        norms = [(1 + 0.2 * jax.random.normal(key, (head_dim,))).astype(dtype) for key in keys[1:3]]
+        tables = rope_tables(jax.random.randint(keys[3], (batch, num), 0, 131072), head_dim, 1e6)
+        caches = [jax.random.normal(key, (layers, batch, kv_heads, slots, head_dim), dtype) for key in keys[4:]]
+        lengths_B = jnp.asarray(np.resize(np.asarray(lengths), batch), jnp.int32)
+        args = (qkv, *norms, *tables, *caches, lengths_B)
+        kwargs = dict(layer=layers - 1, heads=heads, kv_heads=kv_heads, eps=1e-6)
+        record = dict(part="rope_write", layers=layers, batch=batch, rows=num, heads=heads, kv_heads=kv_heads,
+                      slots=slots, dtype=dtype)
+
+        def check(args=args, kwargs=kwargs, tol=8e-5 if dtype == "float32" else 4e-2):
+            outs = [np.asarray(x, np.float32) for x in fused(*args, **kwargs)]
+            refs = [np.asarray(x, np.float32) for x in qk_norm_rope_write_reference(*args, **kwargs)]
+            errs = [float(np.abs(o - r).max()) for o, r in zip(outs, refs, strict=True)]
+            ok = all(np.isfinite(o).all() for o in outs) and max(errs[:2]) <= tol and errs[2] == 0
+            return dict(max_abs_err_q=errs[0], max_abs_err_k_cache=errs[1], max_abs_err_v_cache=errs[2], ok=bool(ok))
+
+        records.append(_run_case(record, check))
+    return records
+
+
 def check_kv_write(interpret=False, cases=KV_WRITE_CASES):
     """The K/V cache-write kernel (``kernels.kv_write_fn("pallas")``, or interpreted) against its
     reference, written into the last layer; identical caches required."""
@@ -320,7 +358,7 @@ def _check_attention_backend(record, args, scale, ref, backend):
     return _run_case(record, check)
 
 
-PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope", "kv_write")
+PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope", "rope_write", "kv_write")
 
 
 def main(argv=None):
@@ -339,7 +377,7 @@ def main(argv=None):
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul,
                   matmul_auto=functools.partial(check_matmul, impl="auto"), forward_auto=check_forward, rope=check_rope,
-                  kv_write=check_kv_write)
+                  rope_write=check_rope_write, kv_write=check_kv_write)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

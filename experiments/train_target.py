@@ -106,7 +106,8 @@ def dropout_logits(target: Target, tokens_BT, key, rate: float):
     key_attn, key_mlp = jax.random.split(key)
     mlp_keys = iter(jax.random.split(key_mlp, cfg.num_hidden_layers))  # layers run in order, once each
 
-    def attend(i, q_BTHD, k_BTKD, v_BTKD, state):
+    def attend(i, inputs, state):
+        q_BTHD, k_BTKD, v_BTKD = inputs.split()
         out_BTHD = attention(q_BTHD, k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3), no_prefix_B,
                              causal_BTT, scale=cfg.head_dim ** -0.5)
         return dropout(jax.random.fold_in(key_attn, i), out_BTHD, rate), state

@@ -1,15 +1,20 @@
-"""The q/k RMSNorm, the RoPE and the q/k/v split of a decoder layer as one kernel.
+"""The q/k RMSNorm, the RoPE and the q/k/v split of a decoder layer as one kernel, alone or with
+the write of the new keys and values into the KV cache.
 
 Between the q/k/v projection and the attention, XLA runs this step as a few small fusions per
 layer (the two norms' reductions and scalings, the rotation, the slices), each a launch of about a
-microsecond on a few kilobytes. Here program ``m`` of the grid ``(M,)`` reads
-token row ``m`` of the fused projection once, normalises and rotates its query and key heads and
-writes ``q``, ``k`` and ``v`` in their head layouts.
+microsecond on a few kilobytes, and the cache write as six more (see ``kv_write.py``). Here program
+``m`` of the grid ``(M,)`` reads token row ``m`` of the fused projection once and normalises and
+rotates its query and key heads. `qk_norm_rope` writes ``q``, ``k`` and ``v`` in their head
+layouts; `qk_norm_rope_write` writes ``q`` and stores the keys and values straight into the row's
+cache slot (masked off past the cache's end), the caches aliased to its outputs.
 
-Head counts and ``head_dim / 2`` must be powers of two (`kernel_supports`). Same function as
-``qk_norm_rope_reference``, within float32 rounding (the rotation may contract to fused
-multiply-adds). On an H200 at Qwen3-8B shapes the kernel (2.6 µs a layer) replaced 3.3 µs of
-XLA's fusions, 0.5% of a decode step's device time, and no wall time (so ``auto`` does not pick it).
+Head counts and ``head_dim / 2`` must be powers of two (`kernel_supports`). Same functions as
+``qk_norm_rope_reference`` and ``qk_norm_rope_write_reference``, within float32 rounding (the
+rotation may contract to fused multiply-adds). On an H200 at Qwen3-8B shapes `qk_norm_rope` alone
+(2.6 µs a layer) replaced 3.3 µs of XLA's fusions and no wall time, so ``auto`` does not pick it;
+`qk_norm_rope_write` took the AR round from 5.36 ms (XLA) and 5.20 ms (XLA's norms, the ``kv_write``
+kernel) to 5.04 ms, so ``auto`` runs it.
 """
 
 from __future__ import annotations
@@ -71,33 +76,119 @@ def _qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads, kv_he
     q, k, v = pl.pallas_call(
         kernel, grid=(rows,), out_shape=out_shape, interpret=interpret, name="qk_norm_rope",
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-    )(qkv_BNC.reshape(-1, head_dim), q_norm_D, k_norm_D, cos_BNF.reshape(rows, -1), sin_BNF.reshape(rows, -1))
+    )(*_row_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, head_dim))
     return tuple(x.reshape(batch, num, -1, head_dim) for x in (q, k, v))
 
 
+def qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer: int,
+                       heads: int, kv_heads: int, eps: float, interpret: bool = False):
+    """`qk_norm_rope_write_reference` by one kernel: `qk_norm_rope`'s program per token row also stores
+    the row's keys and values into slot ``lengths[b] + n`` of ``layer`` of the stacked caches (masked
+    off past their end), which are aliased to the outputs (updated in place). Returns ``q_BNHD`` and
+    the caches."""
+    check_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads, kv_heads)
+    head_dim = qkv_BNC.shape[-1] // (heads + 2 * kv_heads)
+    batch, num_layers = qkv_BNC.shape[0], k_LBKSD.shape[0]
+    want = (num_layers, batch, kv_heads, k_LBKSD.shape[3], head_dim)
+    if k_LBKSD.ndim != 5 or k_LBKSD.shape != want or v_LBKSD.shape != want or not 0 <= layer < num_layers \
+            or jnp.shape(lengths_B) != (batch,):
+        raise ValueError(f"k_LBKSD and v_LBKSD must be caches {want[:3]} + (S, {head_dim}) and lengths_B ({batch},), "
+                         f"layer in [0, {num_layers}); got {k_LBKSD.shape}, {v_LBKSD.shape}, "
+                         f"{jnp.shape(lengths_B)}, layer {layer}")
+    if not kernel_supports(qkv_BNC, heads, kv_heads):
+        raise ValueError(f"the qk_norm_rope kernel needs powers of two for heads ({heads}), kv_heads ({kv_heads}) "
+                         f"and head_dim / 2 ({head_dim // 2})")
+    return _qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD,
+                               jnp.asarray(lengths_B, jnp.int32), layer=int(layer), heads=int(heads),
+                               kv_heads=int(kv_heads), eps=float(eps), interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "heads", "kv_heads", "eps", "interpret"))
+def _qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, heads,
+                        kv_heads, eps, interpret):
+    batch, num, cols = qkv_BNC.shape
+    head_dim, num_slots = cols // (heads + 2 * kv_heads), k_LBKSD.shape[3]
+    whole = pl.BlockSpec()
+    cache_spec = pl.BlockSpec((None, None, kv_heads, num_slots, head_dim), lambda m: (layer, m // num, 0, 0, 0))
+    kernel = functools.partial(_write_kernel, heads=heads, kv_heads=kv_heads, half=head_dim // 2, eps=eps,
+                               num_new=num)
+    q, k_LBKSD, v_LBKSD = pl.pallas_call(
+        kernel, grid=(batch * num,),
+        in_specs=[whole] * 5 + [pl.BlockSpec((None,), lambda m: (m // num,)), cache_spec, cache_spec],
+        out_specs=[whole, cache_spec, cache_spec],
+        out_shape=[jax.ShapeDtypeStruct((batch * num * heads, head_dim), qkv_BNC.dtype),
+                   *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_LBKSD, v_LBKSD))],
+        input_output_aliases={6: 1, 7: 2}, interpret=interpret, name="qk_norm_rope_write",
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+    )(*_row_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, head_dim), lengths_B, k_LBKSD, v_LBKSD)
+    return q.reshape(batch, num, heads, head_dim), k_LBKSD, v_LBKSD
+
+
+def _row_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, head_dim):
+    """The kernels' operands: ``qkv`` as head rows ``[M * (H + 2K), D]``, the tables as ``[M, D / 2]``."""
+    rows = qkv_BNC.shape[0] * qkv_BNC.shape[1]
+    return (qkv_BNC.reshape(-1, head_dim), q_norm_D, k_norm_D, cos_BNF.reshape(rows, -1), sin_BNF.reshape(rows, -1))
+
+
 def _kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, heads, kv_heads, half, eps):
-    """Program m: token row m. Each head's halves ``x[:D/2]``, ``x[D/2:]`` are loaded apart, so the
-    rotation pairs them without moving data within registers."""
+    """Program m: token row m, its heads stored as rows of ``q``, ``k`` and ``v``."""
     m = pl.program_id(0)
+    _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, _rows_store(q_ref, m, heads, half),
+                   _rows_store(k_ref, m, kv_heads, half), _rows_store(v_ref, m, kv_heads, half), heads=heads,
+                   kv_heads=kv_heads, half=half, eps=eps)
+
+
+def _rows_store(out_ref, m, count, half):
+    """The store of row m's ``count`` heads as rows ``[m * count, (m + 1) * count)`` of ``out [*, D]``."""
+    def store(y1, y2):
+        for c0, y in ((0, y1), (half, y2)):
+            plt.store(out_ref.at[pl.ds(m * count, count), pl.ds(c0, half)], y.astype(out_ref.dtype))
+    return store
+
+
+def _write_kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, lengths_ref, k_in_ref, v_in_ref, q_ref, k_ref,
+                  v_ref, *, heads, kv_heads, half, eps, num_new):
+    """Program m: token row m = (b, n); its query heads as rows of ``q``, its key and value heads into
+    slot ``lengths[b] + n`` of request b's ``[K, S, D]`` layer caches (``k_in_ref``/``v_in_ref`` are the
+    same buffers as ``k_ref``/``v_ref``)."""
+    del k_in_ref, v_in_ref
+    m = pl.program_id(0)
+    num_slots = k_ref.shape[1]
+    slot = lengths_ref[()] + m % num_new
+    # Index arrays on every axis: the interpreter scatters only without slices.
+    head_KF = jnp.broadcast_to(jnp.arange(kv_heads)[:, None], (kv_heads, half))
+    col_KF = jnp.broadcast_to(jnp.arange(half)[None, :], (kv_heads, half))
+    slot_KF = jnp.full((kv_heads, half), slot)
+
+    def into_slot(out_ref):
+        def store(y1, y2):  # rounded to the activations' dtype first, as the reference's heads are
+            for c0, y in ((0, y1), (half, y2)):
+                plt.store(out_ref.at[head_KF, slot_KF, c0 + col_KF], y.astype(qkv_ref.dtype).astype(out_ref.dtype),
+                          mask=slot_KF < num_slots)
+        return store
+
+    _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, _rows_store(q_ref, m, heads, half),
+                   into_slot(k_ref), into_slot(v_ref), heads=heads, kv_heads=kv_heads, half=half, eps=eps)
+
+
+def _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, store_q, store_k, store_v, *, heads,
+                   kv_heads, half, eps):
+    """Token row m: its query and key heads normalised and rotated, its value heads as they are, each
+    passed to its store as two ``[count, D / 2]`` halves. The halves ``x[:D/2]``, ``x[D/2:]`` are
+    loaded apart, so the rotation pairs them without moving data within registers."""
     row = pl.ds(m, 1)
     cos_1F, sin_1F = (plt.load(ref.at[row, :]) for ref in (cos_ref, sin_ref))
 
-    def halves(first, count, out_ref):
-        """Heads [first, first + count) of row m as two [count, D / 2] blocks, and their store."""
+    def halves(first, count):
+        """Heads [first, first + count) of row m as two [count, D / 2] blocks."""
         src = pl.ds(m * (heads + 2 * kv_heads) + first, count)
-        x1, x2 = (plt.load(qkv_ref.at[src, pl.ds(c0, half)]) for c0 in (0, half))
+        return tuple(plt.load(qkv_ref.at[src, pl.ds(c0, half)]) for c0 in (0, half))
 
-        def store(y1, y2):
-            for c0, y in ((0, y1), (half, y2)):
-                plt.store(out_ref.at[pl.ds(m * count, count), pl.ds(c0, half)], y.astype(out_ref.dtype))
-        return x1, x2, store
-
-    def norm_rope(first, count, norm_ref, out_ref):
-        x1, x2, store = halves(first, count, out_ref)
-        x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    def norm_rope(first, count, norm_ref, store):
+        x1, x2 = (x.astype(jnp.float32) for x in halves(first, count))
         mean_sq = (jnp.sum(x1 * x1, axis=1, keepdims=True) + jnp.sum(x2 * x2, axis=1, keepdims=True)) / (2 * half)
         inv_X1 = lax.rsqrt(mean_sq + eps)
-        dtype = out_ref.dtype  # rms_norm rounds the normalised x, then its product with the weight
+        dtype = qkv_ref.dtype  # rms_norm rounds the normalised x, then its product with the weight
 
         def scaled(x, c0):
             w_1F = plt.load(norm_ref.at[pl.ds(c0, half)]).astype(jnp.float32)[None, :]
@@ -106,7 +197,6 @@ def _kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, q_ref, k_ref, v_r
         y1, y2 = scaled(x1, 0), scaled(x2, half)
         store(y1 * cos_1F - y2 * sin_1F, y2 * cos_1F + y1 * sin_1F)
 
-    norm_rope(0, heads, q_norm_ref, q_ref)
-    norm_rope(heads, kv_heads, k_norm_ref, k_ref)
-    v1, v2, store = halves(heads + kv_heads, kv_heads, v_ref)
-    store(v1, v2)
+    norm_rope(0, heads, q_norm_ref, store_q)
+    norm_rope(heads, kv_heads, k_norm_ref, store_k)
+    store_v(*halves(heads + kv_heads, kv_heads))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul_reference import rms_norm
 
 
@@ -59,3 +60,13 @@ def qk_norm_rope_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, hea
     q_BNHD = norm_rotate(qkv_BNXD[:, :, :heads], q_norm_D, eps, cos_BNF, sin_BNF)
     k_BNKD = norm_rotate(qkv_BNXD[:, :, heads:heads + kv_heads], k_norm_D, eps, cos_BNF, sin_BNF)
     return q_BNHD, k_BNKD, qkv_BNXD[:, :, heads + kv_heads:]
+
+
+def qk_norm_rope_write_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *,
+                                 layer: int, heads: int, kv_heads: int, eps: float):
+    """`qk_norm_rope_reference`, then its keys and values written into ``layer`` of the stacked caches
+    ``[L, B, K, S, D]`` at slots ``[lengths[b], lengths[b] + N)`` (`kv_write_reference`; past the end:
+    dropped). Returns ``q [B, N, heads, D]`` and the two caches."""
+    q_BNHD, k_BNKD, v_BNKD = qk_norm_rope_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads=heads,
+                                                    kv_heads=kv_heads, eps=eps)
+    return (q_BNHD, *kv_write_reference(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer))

@@ -165,3 +165,28 @@ def test_interpreted_qk_norm_rope_equals_the_reference():
     for got, want in zip(kernels.qk_norm_rope_fn("interpret")(*_rope_args(), **kwargs),
                          qk_norm_rope_reference(*_rope_args(), **kwargs), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
+
+
+def test_qk_norm_rope_write_follows_the_attention_switch(monkeypatch):
+    """Off a GPU (and for ``xla``, or under a mesh) the norms and RoPE then the K/V write of the same
+    switch, equal to the reference; the fused kernel for ``pallas``/``interpret`` and ``auto`` on a GPU,
+    where both kernels apply."""
+    from ddtree_jax.sharding import make_mesh
+    from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_write_reference
+    caches = [jnp.zeros((2, 2, 2, 6, 16)), jnp.ones((2, 2, 2, 6, 16))]
+    args = (*_rope_args(), *caches, jnp.asarray([4, 0], jnp.int32))
+    kwargs = dict(layer=1, heads=4, kv_heads=2, eps=1e-6)
+    want = qk_norm_rope_write_reference(*args, **kwargs)
+    for impl, mesh in (("auto", None), ("xla", None), ("interpret", make_mesh(1, 1)), ("interpret", None)):
+        for got, ref in zip(kernels.qk_norm_rope_write_fn(impl, mesh)(*args, **kwargs), want, strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=2e-6)
+    calls = []
+    monkeypatch.setattr(kernels, "qk_norm_rope_write", lambda *a, interpret, **kw: calls.append(interpret) or "fused")
+    assert kernels.qk_norm_rope_write_fn("interpret")(*args, **kwargs) == "fused"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
+    assert kernels.qk_norm_rope_write_fn("auto")(*args, **kwargs) == "fused"
+    assert calls == [True, False]
+    odd = (*_rope_args(head_dim=24), *(jnp.zeros((2, 2, 2, 6, 24)) for _ in range(2)), jnp.asarray([4, 0], jnp.int32))
+    assert kernels.qk_norm_rope_write_fn("pallas")(*odd, **kwargs) != "fused"  # head_dim / 2 = 12: separately
+    assert calls == [True, False]

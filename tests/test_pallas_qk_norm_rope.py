@@ -1,4 +1,5 @@
-"""The q/k norm + RoPE kernel vs its jnp reference (Pallas interpreter on CPU) and its Triton lowering."""
+"""The q/k norm + RoPE kernels (alone, and with the K/V cache write) vs their jnp references (Pallas
+interpreter on CPU) and their Triton lowering."""
 
 import functools
 
@@ -11,8 +12,10 @@ from hypothesis import strategies as st
 
 from pallas_kernels.lowering import verified_triton_modules
 from pallas_kernels.matmul_reference import rms_norm
-from pallas_kernels.qk_norm_rope import _qk_norm_rope, kernel_supports, qk_norm_rope
-from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables, rotate
+from pallas_kernels.qk_norm_rope import (_qk_norm_rope, _qk_norm_rope_write, kernel_supports, qk_norm_rope,
+                                         qk_norm_rope_write)
+from pallas_kernels.qk_norm_rope_reference import (qk_norm_rope_reference, qk_norm_rope_write_reference, rope_tables,
+                                                   rotate)
 
 
 def operands(seed, batch, num, heads, kv_heads, head_dim, dtype=jnp.float32, max_position=4096):
@@ -117,3 +120,69 @@ def test_gpu_equality_script_rope_checks_run_interpreted():
 
     records = check_rope(interpret=True, cases=[(1, 2, 4, 2, "bfloat16"), (2, 3, 8, 1, "float32")], head_dim=16)
     assert [r["ok"] for r in records] == [True, True], records
+
+
+def cache_operands(seed, layers, batch, kv_heads, slots, head_dim, dtype):
+    k = jax.random.split(jax.random.key(seed + 1), 2)
+    return [jax.random.normal(key, (layers, batch, kv_heads, slots, head_dim), dtype) for key in k]
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 3), num=st.integers(1, 5), log_heads=st.integers(0, 2), log_kv=st.integers(0, 1),
+       log_half=st.integers(0, 3), slots=st.integers(1, 9), seed=st.integers(0, 2**16), data=st.data())
+def test_write_interpret_matches_reference(batch, num, log_heads, log_kv, log_half, slots, seed, data):
+    """The fused kernel's q and caches against `qk_norm_rope_write_reference`, slots past the end of the
+    cache included (dropped); float32 within rounding, the values bit for bit."""
+    heads, kv_heads, head_dim = 1 << (log_heads + log_kv), 1 << log_kv, 2 << log_half
+    lengths = jnp.asarray(data.draw(st.lists(st.integers(0, slots + 1), min_size=batch, max_size=batch)), jnp.int32)
+    layers = data.draw(st.integers(1, 2))
+    args = (*operands(seed, batch, num, heads, kv_heads, head_dim), *cache_operands(seed, layers, batch, kv_heads,
+                                                                                   slots, head_dim, jnp.float32),
+            lengths)
+    kwargs = dict(layer=layers - 1, heads=heads, kv_heads=kv_heads, eps=1e-6)
+    outs = qk_norm_rope_write(*args, interpret=True, **kwargs)
+    refs = qk_norm_rope_write_reference(*args, **kwargs)
+    assert_close(outs, refs, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(outs[2]), np.asarray(refs[2]))
+
+
+def test_write_bf16_at_qwen3_head_shapes():
+    """Qwen3-8B heads, a verify of 3 rows per request into bf16 caches, one request past the end."""
+    args = (*operands(2, 2, 3, 32, 8, 128, jnp.bfloat16), *cache_operands(2, 2, 2, 8, 6, 128, jnp.bfloat16),
+            jnp.asarray([1, 5], jnp.int32))
+    kwargs = dict(layer=1, heads=32, kv_heads=8, eps=1e-6)
+    assert_close(qk_norm_rope_write(*args, interpret=True, **kwargs), qk_norm_rope_write_reference(*args, **kwargs),
+                 jnp.bfloat16)
+
+
+@pytest.mark.parametrize("batch, num", [(1, 1), (8, 17)])
+def test_write_lowers_to_valid_triton_ir_at_qwen3_shapes(batch, num):
+    S = jax.ShapeDtypeStruct
+    cache = S((36, batch, 8, 1100, 128), jnp.bfloat16)
+    args = (S((batch, num, 48 * 128), jnp.bfloat16), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
+            S((batch, num, 64), jnp.float32), S((batch, num, 64), jnp.float32), cache, cache, S((batch,), jnp.int32))
+    fn = functools.partial(_qk_norm_rope_write, layer=35, heads=32, kv_heads=8, eps=1e-6, interpret=False)
+    assert len(verified_triton_modules(fn, *args)) == 1
+
+
+def test_write_refuses_caches_that_do_not_fit():
+    args = operands(0, 1, 2, 4, 2, 16)
+    caches = cache_operands(0, 2, 1, 2, 5, 16, jnp.float32)
+    with pytest.raises(ValueError, match="k_LBKSD and v_LBKSD must be caches"):
+        qk_norm_rope_write(*args, caches[0][:, :, :1], caches[1], jnp.zeros((1,), jnp.int32), layer=0, heads=4,
+                           kv_heads=2, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="layer in"):
+        qk_norm_rope_write(*args, *caches, jnp.zeros((1,), jnp.int32), layer=2, heads=4, kv_heads=2, eps=1e-6,
+                           interpret=True)
+
+
+def test_gpu_equality_script_rope_write_checks_run_interpreted():
+    """`experiments/check_kernels.py`'s rope_write part on small cases through the interpreter."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.check_kernels import check_rope_write
+
+    cases = [(2, 2, 3, 4, 2, 5, [0, 4], "bfloat16"), (1, 1, 2, 2, 1, 8, [3], "float32")]
+    assert [r["ok"] for r in check_rope_write(interpret=True, cases=cases, head_dim=16)] == [True, True]

@@ -193,8 +193,9 @@ def kernel_operand_shapes(jaxpr, name) -> list[list[tuple]]:
 
 
 def test_attention_kernel_reads_the_stacked_cache_in_place():
-    """Each layer's kernel call takes the whole ``[L, B, K, S, D]`` cache (the layer is a static
-    index), not a slice of it: on a GPU a sliced kernel operand is a copy of the layer's cache."""
+    """Each layer's kernel calls (the q/k norm + RoPE + K/V write, then the attention) take the whole
+    ``[L, B, K, S, D]`` caches (the layer is a static index), not slices of them: on a GPU a sliced
+    kernel operand is a copy of the layer's cache."""
     target = small_target()
     cfg = target.config
     cache = init_cache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 16, cfg.head_dim, target.dtype)
@@ -205,7 +206,9 @@ def test_attention_kernel_reads_the_stacked_cache_in_place():
     calls = kernel_operand_shapes(jaxpr, "tree_attention")
     assert len(calls) == cfg.num_hidden_layers
     assert all(shapes.count(cache.k.shape) == 2 for shapes in calls), calls
-    assert len(kernel_operand_shapes(jaxpr, "qk_norm_rope")) == cfg.num_hidden_layers
+    writes = kernel_operand_shapes(jaxpr, "qk_norm_rope_write")
+    assert len(writes) == cfg.num_hidden_layers
+    assert all(shapes.count(cache.k.shape) == 2 for shapes in writes), writes
 
 
 def test_forward_under_jit_and_bf16_close_to_fp32():

@@ -33,7 +33,7 @@ from ddtree_jax.models.qwen3 import (
 from ddtree_jax.sharding import check_mesh
 from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul_reference import matmul_reference, rms_norm
-from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, rope_tables
+from pallas_kernels.qk_norm_rope_reference import rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +134,10 @@ def _block_tokens(cfg: DFlashConfig, root_tokens_B):
     return jnp.concatenate([root_tokens_B[:, None].astype(jnp.int32), masks_BL], axis=1)
 
 
-def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state, matmul=matmul_reference,
-               qk_norm_rope=qk_norm_rope_reference):
+def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state, matmul=matmul_reference):
     x_BQD = target.params.embed[block_tokens_BQ].astype(drafter.dtype)
     x_BQD, _, state = L.run_decoder(drafter.params.layers, L.layer_shape(drafter.config), x_BQD,
-                                    block_positions_BQ, attend, state, matmul=matmul, qk_norm_rope=qk_norm_rope)
+                                    block_positions_BQ, attend, state, matmul=matmul)
     return x_BQD, state
 
 
@@ -150,7 +149,8 @@ def _drafter_hidden(drafter, target, ctx_feats_BCF, ctx_positions_BC, block_toke
     attention = kernels.attention_fn("xla")
     ctx_rope_BCF = rope_tables(ctx_positions_BC, shape.head_dim, shape.rope_theta)
 
-    def attend(i, q_BQHD, k_BQKD, v_BQKD, state):
+    def attend(i, inputs, state):
+        q_BQHD, k_BQKD, v_BQKD = inputs.split()
         ctx_k_BCKD, ctx_v_BCKD = L.key_value(drafter.params.layers[i], feat_BCD, ctx_rope_BCF, shape)
         k_BKSD = jnp.concatenate([ctx_k_BCKD, k_BQKD], axis=1).transpose(0, 2, 1, 3)
         v_BKSD = jnp.concatenate([ctx_v_BCKD, v_BQKD], axis=1).transpose(0, 2, 1, 3)
@@ -213,8 +213,7 @@ def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ct
     block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]
     attend = L.cached_attend(jnp.ones((batch, cfg.block_size, cfg.block_size), bool), cfg.head_dim ** -0.5,
                              attention_impl, mesh, split_heads=False)
-    hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache, matmul,
-                                   kernels.qk_norm_rope_fn(attention_impl, mesh))
+    hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache, matmul)
     return drafter_head(drafter, target, hidden_BQD[:, 1:], matmul), cache
 
 

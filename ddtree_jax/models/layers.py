@@ -65,17 +65,41 @@ def key_value(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=ma
     return norm_rotate(k_BNKD, layer.k_norm, shape.rms_norm_eps, *rope_BNF), v_BNKD
 
 
-def attention_inputs(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=matmul_reference,
-                     qk_norm_rope=qk_norm_rope_reference):
-    """Input norm and the fused q/k/v projection of a decoder layer (one product, the norm as its
-    prologue), then q/k RMSNorm and RoPE by ``qk_norm_rope`` (a `kernels.qk_norm_rope_fn`) with
-    ``rope_BNF``, the forward's ``(cos, sin)`` `rope_tables`.
+@dataclasses.dataclass(frozen=True)
+class HeadInputs:
+    """A layer's fused q/k/v projection ``qkv [B, N, (H + 2K) * D]`` and what its q/k RMSNorms and
+    RoPE take: the arguments of ``qk_norm_rope_reference`` (and of the kernels that share its
+    contract). An attention step turns it into heads (`split`), or hands it to a kernel that also
+    writes the keys and values into a cache."""
 
-    Returns ``q_BNHD, k_BNKD, v_BNKD`` (H query heads, K key/value heads).
-    """
+    qkv_BNC: jax.Array
+    q_norm_D: jax.Array
+    k_norm_D: jax.Array
+    cos_BNF: jax.Array
+    sin_BNF: jax.Array
+    heads: int
+    kv_heads: int
+    eps: float
+
+    @property
+    def args(self) -> tuple:
+        return self.qkv_BNC, self.q_norm_D, self.k_norm_D, self.cos_BNF, self.sin_BNF
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(heads=self.heads, kv_heads=self.kv_heads, eps=self.eps)
+
+    def split(self, qk_norm_rope=qk_norm_rope_reference):
+        """``q_BNHD, k_BNKD, v_BNKD`` by ``qk_norm_rope`` (a `kernels.qk_norm_rope_fn`)."""
+        return qk_norm_rope(*self.args, **self.kwargs)
+
+
+def attention_inputs(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=matmul_reference) -> HeadInputs:
+    """Input norm and the fused q/k/v projection of a decoder layer (one product, the norm as its
+    prologue), with the layer's q/k norms and the forward's ``(cos, sin)`` `rope_tables` ``rope_BNF``."""
     qkv_BNC = project(matmul, x_BND, layer.wqkv, norm_K=layer.input_norm, eps=shape.rms_norm_eps)
-    return qk_norm_rope(qkv_BNC, layer.q_norm, layer.k_norm, *rope_BNF, heads=shape.num_attention_heads,
-                        kv_heads=shape.num_key_value_heads, eps=shape.rms_norm_eps)
+    return HeadInputs(qkv_BNC, layer.q_norm, layer.k_norm, *rope_BNF, heads=shape.num_attention_heads,
+                      kv_heads=shape.num_key_value_heads, eps=shape.rms_norm_eps)
 
 
 def dense_mlp(layer: DecoderLayer, x_BND, shape: LayerShape, matmul=matmul_reference):
@@ -95,14 +119,16 @@ def layer_output(layer, x_BND, attn_BNHD, shape: LayerShape, matmul=matmul_refer
 
 
 def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads: bool = True):
-    """The `run_decoder` attention step over a `KVCache` state: write layer i's new K/V to the
-    scratch slots ``[lengths, lengths + N)`` (`kernels.kv_write_fn`), then attention (``impl``,
-    ``mesh`` and ``split_heads``: see `kernels.attention_fn`) over the cache with ``mask``."""
+    """The `run_decoder` attention step over a `KVCache` state: layer i's q/k norms and RoPE and the
+    write of its new K/V to the scratch slots ``[lengths, lengths + N)`` (`kernels.qk_norm_rope_write_fn`),
+    then attention (``impl``, ``mesh`` and ``split_heads``: see `kernels.attention_fn`) over the cache
+    with ``mask``."""
     attend_fn = kernels.attention_fn(impl, mesh, split_heads=split_heads)
-    write_fn = kernels.kv_write_fn(impl, mesh)
+    norm_rope_write = kernels.qk_norm_rope_write_fn(impl, mesh)
 
-    def attend(i, q_BNHD, k_BNKD, v_BNKD, cache: KVCache):
-        k_LBKSD, v_LBKSD = write_fn(cache.k, cache.v, k_BNKD, v_BNKD, cache.lengths, layer=i)
+    def attend(i, inputs: HeadInputs, cache: KVCache):
+        q_BNHD, k_LBKSD, v_LBKSD = norm_rope_write(*inputs.args, cache.k, cache.v, cache.lengths, layer=i,
+                                                   **inputs.kwargs)
         cache = KVCache(k=k_LBKSD, v=v_LBKSD, lengths=cache.lengths)
         return attend_fn(q_BNHD, cache.k, cache.v, cache.lengths, mask_BNM, scale=scale, layer=i), cache
 
@@ -112,32 +138,36 @@ def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads:
 def packed_attend(mask_BNM, row_M, slot_M, scale, impl: str = "xla", mesh=None):
     """`cached_attend` for rows packed across requests (a budget policy's ragged trees, see
     `ddtree_jax.budget.packing`): inputs ``[1, M, ...]`` whose row ``m`` is node ``slot_M[m]`` of
-    request ``row_M[m]`` (``row = B``: an unused row). Each layer scatters q/k/v into the per-request
-    layout ``[B, N, ...]`` (zeros where no row lands), writes K/V to each request's own scratch slots
-    and attends with the per-request ``mask [B, N, N]``, then gathers the packed rows back: requests
-    never see each other's nodes or caches."""
-    attend = cached_attend(mask_BNM, scale, impl, mesh)
+    request ``row_M[m]`` (``row = B``: an unused row). Each layer splits the packed rows into heads,
+    scatters q/k/v into the per-request layout ``[B, N, ...]`` (zeros where no row lands), writes K/V to
+    each request's own scratch slots and attends with the per-request ``mask [B, N, N]``, then gathers
+    the packed rows back: requests never see each other's nodes or caches."""
+    attend_fn = kernels.attention_fn(impl, mesh)
+    qk_norm_rope, kv_write = kernels.qk_norm_rope_fn(impl, mesh), kernels.kv_write_fn(impl, mesh)
     batch, num = mask_BNM.shape[:2]
 
     def unpack(x_1MXD):
         return jnp.zeros((batch, num, *x_1MXD.shape[2:]), x_1MXD.dtype).at[row_M, slot_M].set(x_1MXD[0],
                                                                                                mode="drop")
 
-    def run(i, q_1MHD, k_1MKD, v_1MKD, cache: KVCache):
-        out_BNHD, cache = attend(i, unpack(q_1MHD), unpack(k_1MKD), unpack(v_1MKD), cache)
+    def run(i, inputs: HeadInputs, cache: KVCache):
+        q_BNHD, k_BNKD, v_BNKD = (unpack(x) for x in inputs.split(qk_norm_rope))
+        k_LBKSD, v_LBKSD = kv_write(cache.k, cache.v, k_BNKD, v_BNKD, cache.lengths, layer=i)
+        cache = KVCache(k=k_LBKSD, v=v_LBKSD, lengths=cache.lengths)
+        out_BNHD = attend_fn(q_BNHD, cache.k, cache.v, cache.lengths, mask_BNM, scale=scale, layer=i)
         return out_BNHD[jnp.minimum(row_M, batch - 1), slot_M][None], cache
 
     return run
 
 
 def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=(),
-                matmul=matmul_reference, mlp=dense_mlp, qk_norm_rope=qk_norm_rope_reference):
+                matmul=matmul_reference, mlp=dense_mlp):
     """Run decoder layers on ``x [B, N, D]``; only the attention and the MLP differ between callers.
 
-    ``attend(i, q_BNHD, k_BNKD, v_BNKD, state) -> (out_BNHD, state)`` does layer i's attention
-    (and any cache writes, threaded through ``state``); ``matmul`` (a `kernels.matmul_fn`) does
-    the projections; ``mlp`` the MLP block (see `layer_output`); ``qk_norm_rope`` (a
-    `kernels.qk_norm_rope_fn`) the q/k norms and RoPE, with RoPE tables computed once. Returns the final hidden
+    ``attend(i, inputs, state) -> (out_BNHD, state)`` does layer i's attention from its `HeadInputs`
+    (the q/k/v projection; the q/k norms and RoPE, whose tables are computed once per forward, are the
+    step's own, with any cache writes threaded through ``state``); ``matmul`` (a `kernels.matmul_fn`)
+    does the projections; ``mlp`` the MLP block (see `layer_output`). Returns the final hidden
     ``[B, N, D]`` (before the final norm), the list of hidden states after each layer id in
     ``tap_layers`` (in that order) and the state.
     """
@@ -145,8 +175,7 @@ def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, t
     rope_BNF = rope_tables(positions_BN, shape.head_dim, shape.rope_theta)
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer_{i}"):
-            q_BNHD, k_BNKD, v_BNKD = attention_inputs(layer, x_BND, rope_BNF, shape, matmul, qk_norm_rope)
-            attn_BNHD, state = attend(i, q_BNHD, k_BNKD, v_BNKD, state)
+            attn_BNHD, state = attend(i, attention_inputs(layer, x_BND, rope_BNF, shape, matmul), state)
             x_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul, mlp)
         taps[i] = x_BND
     return x_BND, [taps[i] for i in tap_layers], state

@@ -25,7 +25,6 @@ from ddtree_jax.models.cache import KVCache, check_cache_shape
 from ddtree_jax.models.params import Model, TargetParams
 from ddtree_jax.sharding import check_mesh
 from pallas_kernels.matmul_reference import matmul_reference, rms_norm
-from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
 
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                 "mlp_bias": False}
@@ -149,15 +148,15 @@ def project_vocab(target: Target, h_BND, matmul=matmul_reference):
 
 
 def run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers, logits_at_BK=None,
-               matmul=matmul_reference, mlp=None, qk_norm_rope=qk_norm_rope_reference):
+               matmul=matmul_reference, mlp=None):
     """The body of every target forward: embedding, `layers.run_decoder` (``attend``, ``state``,
-    ``matmul``, ``mlp`` and ``qk_norm_rope`` as there; ``mlp`` default `moe.decoder_mlp()`), final
+    ``matmul`` and ``mlp`` as there; ``mlp`` default `moe.decoder_mlp()`), final
     norm, taps and LM head.
     Returns ``(logits, taps_BNF, state)`` as `target_forward`."""
     cfg = target.config
     mlp = moe.decoder_mlp() if mlp is None else mlp
     x_BND, taps, state = L.run_decoder(target.params.layers, L.layer_shape(cfg), target.params.embed[tokens_BN],
-                                       positions_BN, attend, state, tap_layers, matmul, mlp, qk_norm_rope)
+                                       positions_BN, attend, state, tap_layers, matmul, mlp)
     h_BND = rms_norm(x_BND, target.params.final_norm, cfg.rms_norm_eps)
     # As HF's hidden_states[id + 1], the last layer's tap is taken after the final norm.
     taps = [h_BND if i == cfg.num_hidden_layers - 1 else tap for i, tap in zip(tap_layers, taps)]
@@ -172,8 +171,7 @@ def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_
                     matmul_impl, mesh):
     attend = L.cached_attend(mask_BNN, target.config.head_dim ** -0.5, attention_impl, mesh)
     return run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers, logits_at_BK,
-                      kernels.matmul_fn(matmul_impl, mesh), moe.decoder_mlp(mesh),
-                      kernels.qk_norm_rope_fn(attention_impl, mesh))
+                      kernels.matmul_fn(matmul_impl, mesh), moe.decoder_mlp(mesh))
 
 
 def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVCache, *, tap_layers=(),
@@ -218,8 +216,7 @@ def target_forward_packed(target: Target, tokens_1M, positions_1M, row_M, slot_M
     """
     attend = L.packed_attend(mask_BNN, row_M, slot_M, target.config.head_dim ** -0.5, attention_impl, mesh)
     return run_layers(target, tokens_1M, positions_1M, attend, cache, tuple(tap_layers), None,
-                      kernels.matmul_fn(matmul_impl, mesh), moe.decoder_mlp(mesh),
-                      kernels.qk_norm_rope_fn(attention_impl, mesh))
+                      kernels.matmul_fn(matmul_impl, mesh), moe.decoder_mlp(mesh))
 
 
 @functools.partial(jax.jit, static_argnames="tap_layers")
@@ -229,9 +226,10 @@ def _target_forward_nocache(target, tokens_BN, positions_BN, mask_BNN, tap_layer
 
     attention = kernels.attention_fn("xla")
 
-    def attend(i, q_BNHD, k_BNKD, v_BNKD, state):
+    def attend(i, inputs, state):
+        q_BNHD, k_BNKD, v_BNKD = inputs.split()
         out = attention(q_BNHD, k_BNKD.transpose(0, 2, 1, 3), v_BNKD.transpose(0, 2, 1, 3),
-                          no_prefix_B, mask_BNN, scale=scale)
+                        no_prefix_B, mask_BNN, scale=scale)
         return out, state
 
     logits_BNV, taps_BNF, _ = run_layers(target, tokens_BN, positions_BN, attend, None, tap_layers)
