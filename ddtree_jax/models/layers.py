@@ -83,10 +83,12 @@ class HeadInputs:
 
     @property
     def args(self) -> tuple:
+        """The arrays, in ``qk_norm_rope_reference``'s order: ``(qkv, q_norm, k_norm, cos, sin)``."""
         return self.qkv_BNC, self.q_norm_D, self.k_norm_D, self.cos_BNF, self.sin_BNF
 
     @property
     def kwargs(self) -> dict:
+        """The static fields as its keywords: ``heads``, ``kv_heads``, ``eps``."""
         return dict(heads=self.heads, kv_heads=self.kv_heads, eps=self.eps)
 
     def split(self, qk_norm_rope=qk_norm_rope_reference):
