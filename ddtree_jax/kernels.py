@@ -15,9 +15,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the s
   ============  =======================================================  =========
   attention     pallas when ``head_dim`` is a power of two >= 16 and       xla
                 q/k/v share a float dtype (`tree_attention.kernel_supports`)
-  q/k norm +    pallas, one kernel (`qk_norm_rope_write`) when head counts,  xla
-  RoPE + K/V    ``head_dim / 2`` and the caches' heads are powers of two,
-  cache write   without a mesh: the AR round 5.36 -> 5.04 ms on an H200
+  q/k norm +    pallas, one kernel (`qk_norm_rope_write`) when head counts  xla
+  RoPE + K/V    and ``head_dim / 2`` are powers of two, without a mesh:
+  cache write   the AR round 5.36 -> 5.04 ms on an H200
                 (BENCHMARKS.md). Where the norms run alone (the packed
                 rows of ``budget_policy="batch"``), xla: the one-launch
                 `qk_norm_rope` measured no faster than XLA's fusions; the
@@ -131,6 +131,12 @@ def qk_norm_rope_fn(impl: str, mesh: Mesh | None = None):
     return split_norm_rotate
 
 
+def _reference_only(impl: str, mesh: Mesh | None) -> bool:
+    """Whether a kernel that is not partitioned gives way to its reference: for ``"xla"``, under a mesh
+    (XLA partitions the reference), and for ``"auto"`` off a supported GPU."""
+    return impl == "xla" or mesh is not None or (impl == "auto" and not pallas_gpu())
+
+
 def kv_write_fn(impl: str, mesh: Mesh | None = None):
     """The write of a forward's new K/V into the stacked caches for ``impl`` (the models pass their
     ``attention_impl``), with the signature of ``kv_write_reference``. The kernel (`kv_write`, the
@@ -138,7 +144,7 @@ def kv_write_fn(impl: str, mesh: Mesh | None = None):
     for ``"pallas"``, ``"interpret"`` and, on a supported GPU, ``"auto"``; under a mesh (where XLA
     partitions the scatter over the cache's shards) and for ``"xla"``, the reference."""
     impl = check_impl("attention_impl", impl)
-    if impl == "xla" or mesh is not None or (impl == "auto" and not pallas_gpu()):
+    if _reference_only(impl, mesh):
         return kv_write_reference
     kernel = functools.partial(kv_write, interpret=impl == "interpret")
 
@@ -152,9 +158,10 @@ def kv_write_fn(impl: str, mesh: Mesh | None = None):
 def qk_norm_rope_write_fn(impl: str, mesh: Mesh | None = None):
     """A layer's q/k norms and RoPE with the write of its new K/V into the stacked caches, for ``impl``
     (the models pass their ``attention_impl``), with the signature of ``qk_norm_rope_write_reference``.
-    One kernel (`qk_norm_rope_write`) where it applies (the conditions of both `kernel_supports`,
-    decided when traced) for ``"pallas"``, ``"interpret"`` and, on a supported GPU, ``"auto"``;
-    elsewhere `qk_norm_rope_fn` then `kv_write_fn` of the same ``impl``."""
+    One kernel (`qk_norm_rope_write`) where it applies (`qk_norm_rope.kernel_supports`, decided when
+    traced: the caches' heads are the projection's, so `kv_write.kernel_supports` holds too) for
+    ``"pallas"``, ``"interpret"`` and, on a supported GPU, ``"auto"``; elsewhere `qk_norm_rope_fn`
+    then `kv_write_fn` of the same ``impl``."""
     impl = check_impl("attention_impl", impl)
     split, write = qk_norm_rope_fn(impl, mesh), kv_write_fn(impl, mesh)
 
@@ -162,15 +169,15 @@ def qk_norm_rope_write_fn(impl: str, mesh: Mesh | None = None):
         q_BNHD, k_BNKD, v_BNKD = split(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, **kwargs)
         return (q_BNHD, *write(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer))
 
-    if impl == "xla" or mesh is not None or (impl == "auto" and not pallas_gpu()):
+    if _reference_only(impl, mesh):
         return separately
     kernel = functools.partial(qk_norm_rope_write, interpret=impl == "interpret")
 
     def fused(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, heads, kv_heads,
               eps):
-        ok = qk_norm_rope_supports(qkv_BNC, heads, kv_heads) and kv_write_supports(k_LBKSD)
-        return (kernel if ok else separately)(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD,
-                                             lengths_B, layer=layer, heads=heads, kv_heads=kv_heads, eps=eps)
+        fn = kernel if qk_norm_rope_supports(qkv_BNC, heads, kv_heads) else separately
+        return fn(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, layer=layer,
+                  heads=heads, kv_heads=kv_heads, eps=eps)
 
     return fused
 

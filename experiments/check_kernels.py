@@ -190,17 +190,22 @@ ROPE_CASES = [(1, 1, 32, 8, "bfloat16"), (1, 65, 32, 8, "bfloat16"), (8, 17, 32,
               (2, 1024, 32, 8, "bfloat16"), (3, 33, 32, 8, "float32")]
 
 
+def rope_operands(keys, batch, num, heads, kv_heads, head_dim, dtype):
+    """From four random ``keys``, a fused projection (values up to about 8), its two norm weights and
+    RoPE tables at positions up to 128k: ``(qkv, q_norm, k_norm, cos, sin)``."""
+    qkv = (3 * jax.random.normal(keys[0], (batch, num, (heads + 2 * kv_heads) * head_dim))).astype(dtype)
+    norms = [(1 + 0.2 * jax.random.normal(key, (head_dim,))).astype(dtype) for key in keys[1:3]]
+    return (qkv, *norms, *rope_tables(jax.random.randint(keys[3], (batch, num), 0, 131072), head_dim, 1e6))
+
+
 def check_rope(interpret=False, cases=ROPE_CASES, head_dim=128):
     """The q/k norm + RoPE kernel (``kernels.qk_norm_rope_fn("pallas")``, or interpreted) against its
     reference."""
     split_norm_rotate = kernels.qk_norm_rope_fn("interpret" if interpret else "pallas")
     records = []
     for seed, (batch, num, heads, kv_heads, dtype) in enumerate(cases):
-        keys = jax.random.split(jax.random.key(seed), 4)
-        qkv = (3 * jax.random.normal(keys[0], (batch, num, (heads + 2 * kv_heads) * head_dim))).astype(dtype)
-        norms = [(1 + 0.2 * jax.random.normal(key, (head_dim,))).astype(dtype) for key in keys[1:3]]
-        tables = rope_tables(jax.random.randint(keys[3], (batch, num), 0, 131072), head_dim, 1e6)
-        args, kwargs = (qkv, *norms, *tables), dict(heads=heads, kv_heads=kv_heads, eps=1e-6)
+        args = rope_operands(jax.random.split(jax.random.key(seed), 4), batch, num, heads, kv_heads, head_dim, dtype)
+        kwargs = dict(heads=heads, kv_heads=kv_heads, eps=1e-6)
         record = dict(part="rope", batch=batch, rows=num, heads=heads, kv_heads=kv_heads, dtype=dtype)
 
         def check(args=args, kwargs=kwargs, tol=8e-5 if dtype == "float32" else 4e-2):
@@ -235,12 +240,9 @@ def check_rope_write(interpret=False, cases=ROPE_WRITE_CASES, head_dim=128):
     records = []
     for seed, (layers, batch, num, heads, kv_heads, slots, lengths, dtype) in enumerate(cases):
         keys = jax.random.split(jax.random.key(seed), 6)
-        qkv = (3 * jax.random.normal(keys[0], (batch, num, (heads + 2 * kv_heads) * head_dim))).astype(dtype)
-        norms = [(1 + 0.2 * jax.random.normal(key, (head_dim,))).astype(dtype) for key in keys[1:3]]
-        tables = rope_tables(jax.random.randint(keys[3], (batch, num), 0, 131072), head_dim, 1e6)
         caches = [jax.random.normal(key, (layers, batch, kv_heads, slots, head_dim), dtype) for key in keys[4:]]
         lengths_B = jnp.asarray(np.resize(np.asarray(lengths), batch), jnp.int32)
-        args = (qkv, *norms, *tables, *caches, lengths_B)
+        args = (*rope_operands(keys[:4], batch, num, heads, kv_heads, head_dim, dtype), *caches, lengths_B)
         kwargs = dict(layer=layers - 1, heads=heads, kv_heads=kv_heads, eps=1e-6)
         record = dict(part="rope_write", layers=layers, batch=batch, rows=num, heads=heads, kv_heads=kv_heads,
                       slots=slots, dtype=dtype)

@@ -79,12 +79,18 @@ def _kernel(lengths_ref, k_new_ref, v_new_ref, k_in_ref, v_in_ref, k_ref, v_ref)
     """Program (b, n): token n's ``[K, D]`` keys and values into slot ``lengths[b] + n`` of request b's
     ``[K, S, D]`` layer cache (``k_in_ref``/``v_in_ref`` are the same buffers as ``k_ref``/``v_ref``)."""
     del k_in_ref, v_in_ref
-    num_kv, num_slots, head_dim = k_ref.shape
     slot = lengths_ref[()] + pl.program_id(1)
-    # Index arrays on every axis: the interpreter scatters only without slices.
-    head_KD = jnp.broadcast_to(jnp.arange(num_kv)[:, None], (num_kv, head_dim))
-    col_KD = jnp.broadcast_to(jnp.arange(head_dim)[None, :], (num_kv, head_dim))
-    slot_KD = jnp.full((num_kv, head_dim), slot)
-    in_cache_KD = slot_KD < num_slots
     for new_ref, out_ref in ((k_new_ref, k_ref), (v_new_ref, v_ref)):
-        plt.store(out_ref.at[head_KD, slot_KD, col_KD], plt.load(new_ref).astype(out_ref.dtype), mask=in_cache_KD)
+        store_slot(out_ref, slot, plt.load(new_ref))
+
+
+def store_slot(cache_ref, slot, x_KC, first_col: int = 0):
+    """Store ``x [K, C]`` (every head of one token) into columns ``[first_col, first_col + C)`` of
+    ``slot`` of a ``[K, S, D]`` cache block, cast to its dtype; nothing is stored when ``slot >= S``.
+    Shared with the fused norm + RoPE + write kernel (``qk_norm_rope.py``)."""
+    num_kv, cols = x_KC.shape
+    # Index arrays on every axis: the interpreter scatters only without slices.
+    head_KC = jnp.broadcast_to(jnp.arange(num_kv)[:, None], (num_kv, cols))
+    col_KC = jnp.broadcast_to(first_col + jnp.arange(cols)[None, :], (num_kv, cols))
+    slot_KC = jnp.full((num_kv, cols), slot)
+    plt.store(cache_ref.at[head_KC, slot_KC, col_KC], x_KC.astype(cache_ref.dtype), mask=slot_KC < cache_ref.shape[1])

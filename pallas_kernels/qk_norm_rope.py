@@ -27,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.kv_write import store_slot
+
 
 def qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads: int, kv_heads: int, eps: float,
                  interpret: bool = False):
@@ -153,18 +155,12 @@ def _write_kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, lengths_ref
     same buffers as ``k_ref``/``v_ref``)."""
     del k_in_ref, v_in_ref
     m = pl.program_id(0)
-    num_slots = k_ref.shape[1]
     slot = lengths_ref[()] + m % num_new
-    # Index arrays on every axis: the interpreter scatters only without slices.
-    head_KF = jnp.broadcast_to(jnp.arange(kv_heads)[:, None], (kv_heads, half))
-    col_KF = jnp.broadcast_to(jnp.arange(half)[None, :], (kv_heads, half))
-    slot_KF = jnp.full((kv_heads, half), slot)
 
-    def into_slot(out_ref):
+    def into_slot(cache_ref):
         def store(y1, y2):  # rounded to the activations' dtype first, as the reference's heads are
             for c0, y in ((0, y1), (half, y2)):
-                plt.store(out_ref.at[head_KF, slot_KF, c0 + col_KF], y.astype(qkv_ref.dtype).astype(out_ref.dtype),
-                          mask=slot_KF < num_slots)
+                store_slot(cache_ref, slot, y.astype(qkv_ref.dtype), first_col=c0)
         return store
 
     _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, _rows_store(q_ref, m, heads, half),
