@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.sampling import coins_from_keys, request_keys  # noqa: E402
 from ddtree_jax.tree import build_tree_unchecked, tree_attention_mask, tree_positions  # noqa: E402
 from ddtree_jax.verify import verify_from_coins  # noqa: E402
@@ -55,7 +56,7 @@ def main():
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, jax {jax.__version__}")
     rows = []
     meta = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind, jax=jax.__version__,
-                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+                date=time.strftime("%Y-%m-%d"), command=command_line())
     key = jax.random.key(0)
     print(f"{'batch':>5} {'B':>5} {'build ms':>9} {'verify ms':>10} {'greedy ms':>10}")
     for batch in map(int, args.batches.split(",")):

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.experiments.provenance import command_line
 from pallas_kernels import configs
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     device = jax.devices()[0].device_kind
     print(f"device {device}, capability {capability}, jax {jax.__version__}, policy {policy}", flush=True)
     result = dict(meta=dict(device=device, capability=capability, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                            command=" ".join(sys.argv), policy=dataclasses.asdict(policy)), rows=[])
+                            command=command_line(), policy=dataclasses.asdict(policy)), rows=[])
     groups = {}
     for name in args.shapes.split(","):
         k, n, gated, *_ = SHAPES[name]

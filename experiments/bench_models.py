@@ -33,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax.experiments import profiling  # noqa: E402
 from ddtree_jax.experiments.bench import SHAPES, make_models, median_ms, streamed_bytes  # noqa: E402
+from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.models import KVCache, drafter_forward, init_cache, target_forward  # noqa: E402
 
 # name: XLA GPU options every forward is compiled with (``--variants``)
@@ -152,7 +153,7 @@ def compile_or_error(job):
 
 def meta(args, roofline_ms):
     return dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                command=" ".join(sys.argv), roofline_ms=roofline_ms, hbm_tbps=args.hbm_tbps)
+                command=command_line(), roofline_ms=roofline_ms, hbm_tbps=args.hbm_tbps)
 
 
 if __name__ == "__main__":

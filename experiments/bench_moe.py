@@ -45,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ddtree_jax.experiments import bench  # noqa: E402
+from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.models import (  # noqa: E402
     KVCache,
     MoeDecoderLayer,
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     target = make_target(args.shapes)
     cfg = target.config
     result = dict(meta=dict(device=device, backend=jax.default_backend(), jax=jax.__version__,
-                            date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
+                            date=time.strftime("%Y-%m-%d"), command=command_line(),
                             settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                             sparse_layers=len(cfg.sparse_layers), num_experts=cfg.num_experts,
                             experts_per_token=cfg.num_experts_per_tok, expert_bytes=expert_bytes(target),

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree_jax.experiments.bench import make_models, median_ms, streamed_bytes
+from ddtree_jax.experiments.provenance import command_line
 from ddtree_jax.models import KVCache, init_cache, target_forward
 
 
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(dict(meta=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                                                       torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                                                      command=" ".join(sys.argv), copy_tbps=tbps,
+                                                      command=command_line(), copy_tbps=tbps,
                                                       weight_gb=weight_gb), rows=rows), indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from ddtree_jax import engine, sharding
 from ddtree_jax.experiments import bench  # noqa: E402
+from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 
 
 def check_tokens(target, drafter, tps, args) -> dict:
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_tp: tp up to {max(args.tps + args.check_tps)} needs that many devices, "
                          f"{len(devices)} visible")
     result = dict(meta=dict(device=devices[0].device_kind, devices=len(devices), jax=jax.__version__,
-                            date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv)), shapes={})
+                            date=time.strftime("%Y-%m-%d"), command=command_line()), shapes={})
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():

@@ -38,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 from ddtree_jax import selection  # noqa: E402
 from ddtree_jax.experiments import profiling  # noqa: E402
 from ddtree_jax.experiments.bench import checksum, loop_ms  # noqa: E402
+from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.tree import (  # noqa: E402
     build_tree_unchecked,
     draft_log_probs,
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--{name} is too small: {getattr(args, name)}")
     device = jax.devices()[0]
     meta = dict(backend=jax.default_backend(), device=device.device_kind, jax=jax.__version__,
-                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv), repeats=args.repeats,
+                date=time.strftime("%Y-%m-%d"), command=command_line(), repeats=args.repeats,
                 dispatch_ms=median_ms(lambda: empty(jnp.ones((4,))), args.repeats))
     print(f"backend {meta['backend']}, device {meta['device']}, jax {meta['jax']}, "
           f"empty jitted call {meta['dispatch_ms']:.3f} ms", flush=True)

@@ -52,7 +52,6 @@ import argparse
 import functools
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -62,6 +61,7 @@ import numpy as np
 
 from ddtree_jax import checks, costs, engine, kernels, sharding
 from ddtree_jax.experiments import profiling
+from ddtree_jax.experiments.provenance import command_line
 from ddtree_jax.models import (
     DFlashConfig, KVCache, Qwen3Config, Qwen3MoeConfig, commit, drafter_forward, init_cache, init_drafter, init_target,
     target_forward,
@@ -563,7 +563,7 @@ def run_from_args(args) -> int:
     device = jax.devices()[0].device_kind
     print(f"device {device}, jax {jax.__version__}", flush=True)
     result = dict(meta=dict(device=device, backend=jax.default_backend(), jax=jax.__version__,
-                            date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
+                            date=time.strftime("%Y-%m-%d"), command=command_line(),
                             settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                                       if k != "func"}),
                   shapes=[], generate=[], embedded=[])

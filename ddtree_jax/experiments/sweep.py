@@ -46,6 +46,7 @@ from ddtree_jax.budget import POLICIES
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.engine import METHODS, generate
 from ddtree_jax.experiments import corpus
+from ddtree_jax.experiments.provenance import command_line
 from ddtree_jax.experiments.stats import per_request_tau
 from ddtree_jax.tokenizer import Tokenizer
 
@@ -330,7 +331,7 @@ def run_sweep(grid: Grid, settings: Settings, out: str | Path, *, tokenizer: str
 
 def _record_run(path: Path, grid: Grid, settings: Settings, skipped: int, pending: int) -> None:
     runs = json.loads(path.read_text())["runs"] if path.exists() else []
-    runs.append(dict(command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    runs.append(dict(command=command_line(), date=time.strftime("%Y-%m-%d %H:%M:%S"),
                      device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                      python=sys.version.split()[0], grid=dataclasses.asdict(grid),
                      settings=dataclasses.asdict(settings), cells_skipped=skipped, cells_run=pending))
