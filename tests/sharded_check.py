@@ -10,6 +10,7 @@ XLA-path reference; the test compares the two. JSON output: ``{case: {key: value
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import sys
 
@@ -53,6 +54,7 @@ ATTENTION_SHAPES = ((8, 4, 2, 2, True), (8, 2, 4, 1, True), (8, 2, 8, 1, True), 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 1], [3, 3, 3, 2, 1, 0, 5, 6], [4]]
 KEY_SEED = 3
 SAMPLING = dict(temperature=[0.0, 1.0, 0.8, 1.0], top_k=[0, 0, 3, 0], top_p=[1.0, 1.0, 1.0, 0.7])
+CHUNK_ROUNDS = inspect.signature(engine.generate).parameters["chunk_rounds"].default
 GENERATE = dict(method="ddtree", budget=10, topk_cap=None, draft_temperature=8.0, max_new_tokens=12, max_len=40,
                 attention_impl="xla", sampler_impl="xla", with_expected=True)
 
@@ -124,9 +126,10 @@ def shard_shapes(tree) -> dict[str, list]:
 
 
 def round_layouts(target, drafter, mesh, attention_impl="xla") -> dict:
-    """Shard shapes of the decode state after `engine.prefill` and after one `engine.decode_round`
-    (the same compiled functions as `engine.generate`), whether the round kept the layout, and the
-    round's kernel counts (see `count_kernels`)."""
+    """Shard shapes of the decode state after `engine.prefill` and after one round of `engine.decode_rounds`
+    (the programs `engine.generate` ran in `run_case`, with the same arguments: loaded from the compilation
+    cache, not compiled again), whether the round kept the layout, and the round's kernel counts (see
+    `count_kernels`)."""
     spec = engine.make_spec(target, drafter, *(GENERATE[k] for k in ("method", "budget", "topk_cap")),
                             attention_impl, GENERATE["sampler_impl"])
     prompt_BT, prompt_len_B = engine._pad_prompts(PROMPTS, target.config.vocab_size)
@@ -141,10 +144,11 @@ def round_layouts(target, drafter, mesh, attention_impl="xla") -> dict:
     layout = jax.tree.map(lambda x: x.sharding, state)
     args = (engine.SamplingParams(t, k, p), jax.random.key(KEY_SEED), request_ids,
             jnp.float32(GENERATE["draft_temperature"]), jnp.asarray([-2], jnp.int32))
-    round_fn = functools.partial(engine.decode_round, spec=spec, max_new_tokens=GENERATE["max_new_tokens"],
-                                 with_expected=True, mesh=mesh)
-    kernels = count_kernels(round_fn, target, drafter, state, *args)
-    state, _ = round_fn(target, drafter, state, *args)
+    round_fn = functools.partial(engine.decode_rounds, spec=spec, max_new_tokens=GENERATE["max_new_tokens"],
+                                 with_expected=True, mesh=mesh, chunk=CHUNK_ROUNDS)
+    kernels = count_kernels(round_fn, target, drafter, state, *args, jnp.int32(1))
+    state, _, count = round_fn(target, drafter, state, *args, jnp.int32(1))
+    assert int(count) == 1
     kept = all(jax.tree.leaves(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), state, layout)))
     return {"state_after_prefill": before, "state_after_round": shard_shapes(state), "round_keeps_layout": kept,
             "round_kernels": kernels}

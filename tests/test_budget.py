@@ -3,6 +3,7 @@ and the cost tables."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,15 +14,19 @@ from ddtree_jax import budget, costs, oracle
 from ddtree_jax.tree import build_tree, tree_attention_mask, tree_positions
 from test_tree import assert_same_tree, draft_logits
 
-cases = st.tuples(
-    st.integers(0, 2**31 - 1),  # seed
-    st.integers(1, 4),  # batch
-    st.integers(1, 5),  # depth L
-    st.sampled_from([2, 3, 7, 40]),  # vocab
-    st.sampled_from([1, 3, 8, 20]),  # budget
-    st.sampled_from([None, 2]),  # cap
-    st.booleans(),  # ties
-)
+# (batch, depth L, vocab, budget, cap): a few trees, each compiled once (at the budget and at
+# BATCH_SPREAD x it), with many data draws. Among them one request and four; depth 1 and 5; budget 1
+# and 20; a cap; trees with fewer nodes than slots (vocab 2); a per-depth k that grows with the budget
+# (vocab 40) and one that does not (vocab 3, cap 2).
+TREES = [(4, 5, 3, 8, None), (3, 4, 40, 20, None), (1, 3, 7, 3, 2), (2, 1, 2, 1, None), (4, 2, 2, 20, 2),
+         (2, 5, 40, 1, None)]
+cases = st.tuples(st.integers(0, 2**31 - 1), st.sampled_from(TREES), st.booleans()).map(  # seed, tree, ties
+    lambda c: (c[0], *c[1], c[2]))
+
+# Jitted, as the engine runs them: one compile per tree shape (run eagerly, every op compiles on its own).
+adaptive_keep = jax.jit(budget.adaptive_keep)
+batch_keep = jax.jit(budget.batch_keep, static_argnums=3)
+keep_prefix = jax.jit(budget.keep_prefix)
 
 
 def trees(case, slots_factor=1):
@@ -48,11 +53,11 @@ def test_adaptive_keep_matches_oracle(case, shape):
     n = tree.tokens.shape[1]
     cost = {"flat": np.full(n, 3.0), "rising": 1.0 + rng.uniform(0.005, 0.3) * np.arange(n),
             "random": rng.uniform(0.5, 2.0, n)}[shape].astype(np.float32)
-    got = np.asarray(budget.adaptive_keep(tree.logw, tree.num_nodes, jnp.asarray(cost)))
+    got = np.asarray(adaptive_keep(tree.logw, tree.num_nodes, jnp.asarray(cost)))
     np.testing.assert_array_equal(got, oracle.adaptive_keep(tree.logw, tree.num_nodes, cost))
     if shape == "flat":  # a flat cost keeps the whole tree: adaptive = fixed
         np.testing.assert_array_equal(got, np.asarray(tree.num_nodes))
-    masked = budget.keep_prefix(tree, jnp.asarray(got))
+    masked = keep_prefix(tree, jnp.asarray(got))
     assert_same_tree(masked, oracle.keep_prefix(tree, got))
     kept_is_a_tree(masked)
 
@@ -70,7 +75,7 @@ def test_batch_keep_matches_oracle_and_keeps_prefix_closed_trees(case, live_bits
     tree, _ = trees(case, budget.BATCH_SPREAD)
     batch, b = tree.tokens.shape[0], case[4]
     live = np.array([(live_bits >> i) & 1 for i in range(batch)], bool)
-    got = np.asarray(budget.batch_keep(tree.logw, tree.num_nodes, jnp.asarray(live), b))
+    got = np.asarray(batch_keep(tree.logw, tree.num_nodes, jnp.asarray(live), b))
     np.testing.assert_array_equal(got, oracle.batch_keep(tree.logw, tree.num_nodes, live, b))
     # The top set is, request by request, a prefix of the pop order (so the counts say it all) ...
     chosen = top_set(np.asarray(tree.logw), np.asarray(tree.num_nodes), live, b)
@@ -80,7 +85,7 @@ def test_batch_keep_matches_oracle_and_keeps_prefix_closed_trees(case, live_bits
     mass = lambda keep: sum(np.exp(np.float64(tree.logw[r, 1:keep[r]])).sum() for r in range(batch) if live[r])  # noqa: E731
     assert mass(got) >= mass(np.full(batch, b + 1)) * (1 - 1e-6)
     # ... and a prefix of the pop order is a tree: every kept node's parent is kept.
-    masked = budget.keep_prefix(tree, jnp.asarray(got))
+    masked = keep_prefix(tree, jnp.asarray(got))
     assert_same_tree(masked, oracle.keep_prefix(tree, got))
     kept_is_a_tree(masked)
     np.testing.assert_array_equal(np.asarray(tree_attention_mask(masked)), oracle.tree_attention_mask(masked))
@@ -98,7 +103,7 @@ def test_the_budget_prefix_of_a_larger_tree_is_the_budget_tree(case):
     roots = np.arange(batch) % vocab
     small = build_tree(logits, roots, budget=b, topk_cap=cap)
     large = build_tree(logits, roots, budget=b * budget.BATCH_SPREAD, topk_cap=cap)
-    kept = budget.keep_prefix(large, jnp.full((batch,), b + 1, jnp.int32))
+    kept = keep_prefix(large, jnp.full((batch,), b + 1, jnp.int32))
     for field in ("tokens", "parents", "depths", "logw"):
         np.testing.assert_array_equal(np.asarray(getattr(kept, field))[:, : b + 1], np.asarray(getattr(small, field)))
     np.testing.assert_array_equal(np.asarray(kept.num_nodes), np.asarray(small.num_nodes))

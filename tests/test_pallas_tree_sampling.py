@@ -2,6 +2,7 @@
 accepted paths and emitted tokens, from which ``result_from_path`` derives every other field of a
 ``VerifyResult``. The statistics and candidate passes against NumPy: test_pallas_tree_sampling_passes."""
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample
 PARALLEL_ROWS = SamplerConfig().parallel_rows
 
 
+@functools.partial(jax.jit, static_argnames=("batch", "depth", "vocab", "budget", "logit_scale", "tie_step", "agree",
+                                             "dtype", "topk_cap"))
 def make_round(seed, *, batch, depth, vocab, budget, logit_scale=3.0, tie_step=None, agree=0.0,
                dtype=jnp.float32, topk_cap=None):
     """A drafted tree, target logits, coins. ``tie_step`` rounds logits to create ties;

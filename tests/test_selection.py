@@ -25,12 +25,17 @@ def tied_rows(seed, rows, vocab, levels, neg_inf_share):
     return x
 
 
+# Jitted: one compile per shape (run eagerly, every op of the stages compiles on its own).
+top_k = jax.jit(selection.top_k, static_argnums=1, static_argnames="staged")
+lax_top_k = jax.jit(jax.lax.top_k, static_argnums=1)
+
+
 def assert_top_k_exact(x, k, staged=True):
     """`selection.top_k` (by default its staged path, forced: on a CPU it runs ``lax.top_k``) equals
     NumPy's stable order and ``lax.top_k``."""
     want_values, want_ids = numpy_top_k(x, k)
-    ref_values, ref_ids = jax.lax.top_k(jnp.asarray(x), k)
-    values, ids = selection.top_k(jnp.asarray(x), k, staged=staged)
+    ref_values, ref_ids = lax_top_k(jnp.asarray(x), k)
+    values, ids = top_k(jnp.asarray(x), k, staged=staged)
     assert ids.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_array_equal(np.asarray(values), want_values)
@@ -38,19 +43,25 @@ def assert_top_k_exact(x, k, staged=True):
     np.testing.assert_array_equal(np.asarray(values), np.asarray(ref_values))
 
 
+# (V, k) for three rows, each shape one compile: the plans V <= 5000, k <= 80 have (`top_k_plan`), the
+# whole row ranked at once (V <= COUNT_MAX, k = V among them) or one stage of groups, its last group
+# short (2049, 4099) or not (5000).
+TOP_K_SHAPES = [(2, 1), (2, 2), (17, 17), (300, 80), (2048, 64), (2049, 1), (4099, 16), (5000, 80)]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2**31 - 1), st.integers(2, 5000), st.integers(1, 80), st.sampled_from([1, 2, 3, 8, 1000]),
+@given(st.integers(0, 2**31 - 1), st.sampled_from(TOP_K_SHAPES), st.sampled_from([1, 2, 3, 8, 1000]),
        st.sampled_from([0.0, 0.3, 0.97]))
-@example(0, 4099, 16, 2, 0.0)  # two stages, V not a multiple of the chunk, two values only
-@example(1, 4099, 16, 1000, 0.999)  # nearly all -inf: the top k reaches the -inf entries
-@example(2, 2048, 64, 1, 0.0)  # one value everywhere: the first k indices
-def test_top_k_matches_lax_and_numpy_with_ties(seed, vocab, k, levels, neg_inf_share):
-    k = min(k, vocab)
+@example(0, (4099, 16), 2, 0.0)  # V not a multiple of the chunk, two values only
+@example(1, (4099, 16), 1000, 0.999)  # nearly all -inf: the top k reaches the -inf entries
+@example(2, (2048, 64), 1, 0.0)  # one value everywhere: the first k indices
+def test_top_k_matches_lax_and_numpy_with_ties(seed, shape, levels, neg_inf_share):
+    vocab, k = shape
     assert_top_k_exact(tied_rows(seed, 3, vocab, levels, neg_inf_share), k)
 
 
 @pytest.mark.parametrize("vocab,k,rows,stages", [(4099, 16, 2, 1), (20_000, 300, 2, 2), (4096, 1, 2, 1),
-                                                 (9000, 64, 2, 1), (151_936, 16, 15, 2), (30_000, 64, 120, 3),
+                                                 (9000, 64, 2, 1), (151_936, 16, 15, 2), (30_000, 128, 30, 3),
                                                  (60_000, 1100, 2, None), (3000, 1500, 2, None)])
 def test_staged_paths_are_exact(vocab, k, rows, stages):
     """Plans of one to three stages, and the route through ``lax.top_k`` where no plan is (groups,
@@ -64,13 +75,14 @@ def test_staged_paths_are_exact(vocab, k, rows, stages):
 def test_ties_across_group_boundaries_keep_lower_ids():
     """Every group holds the same maximum: only the first-index tie rule keeps the lowest ids."""
     vocab, k = 4099, 16
-    chunk = selection.top_k_plan(vocab, k, 1)[0]
-    x = np.zeros((1, vocab), np.float32)
+    chunk = selection.top_k_plan(vocab, k, 2)[0]
+    x = np.zeros((2, vocab), np.float32)
     x[0, ::chunk] = 1.0  # the first entry of each group is its maximum, all equal
-    x[0, -1] = 1.0  # and one in the short last group
-    values, ids = selection.top_k(jnp.asarray(x), k, staged=True)
-    np.testing.assert_array_equal(np.asarray(ids[0]), np.arange(k) * chunk)
-    np.testing.assert_array_equal(np.asarray(values[0]), np.ones(k))
+    x[1, 1::chunk] = 1.0  # the second one
+    x[:, -1] = 1.0  # and one in the short last group
+    values, ids = top_k(jnp.asarray(x), k, staged=True)
+    np.testing.assert_array_equal(np.asarray(ids), np.arange(k) * chunk + np.arange(2)[:, None])
+    np.testing.assert_array_equal(np.asarray(values), np.ones((2, k)))
 
 
 @pytest.mark.parametrize("vocab", [100, 4096, 151_936])
@@ -121,34 +133,40 @@ def test_top_k_rejects_bad_k():
 
 def test_top_k_under_vmap_and_leading_axes():
     x = tied_rows(3, 2 * 3 * 5000, 1, 5, 0.0).reshape(2, 3, 5000)
-    values, ids = jax.vmap(lambda r: selection.top_k(r, 20, staged=True))(jnp.asarray(x))
+    values, ids = jax.jit(jax.vmap(lambda r: selection.top_k(r, 20, staged=True)))(jnp.asarray(x))
     want_values, want_ids = numpy_top_k(x, 20)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_array_equal(np.asarray(values), want_values)
 
 
+ascending_ranks = jax.jit(selection.ascending_ranks)
+scatter_by_rank = jax.jit(selection.scatter_by_rank, static_argnums=2)
+
+
+# Lengths both ways, counted (up to COUNT_MAX, which included) and sorted (COUNT_MAX + 1 and longer), and
+# scatters of the first, about half and all ranks: each (length, keys, size) compiles once.
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31 - 1),
-       st.one_of(st.integers(1, 300), st.integers(selection.COUNT_MAX - 2, selection.COUNT_MAX + 400)),  # both ways
-       st.integers(1, 3), st.sampled_from([1, 3, 50]))
-def test_ascending_ranks_is_the_stable_lexicographic_sort(seed, n, num_keys, levels):
+       st.sampled_from([1, 2, 37, selection.COUNT_MAX, selection.COUNT_MAX + 1, selection.COUNT_MAX + 400]),
+       st.integers(1, 3), st.sampled_from([1, 3, 50]), st.sampled_from(["one", "half", "all"]))
+def test_ascending_ranks_is_the_stable_lexicographic_sort(seed, n, num_keys, levels, scattered_share):
     rng = np.random.default_rng(seed)
     keys = [rng.integers(0, levels, n).astype(np.int32) for _ in range(num_keys - 1)]
     first = rng.integers(0, levels, n).astype(np.float32)
     first[rng.random(n) < 0.2] = -np.inf
-    got = np.asarray(selection.ascending_ranks(jnp.asarray(first), *map(jnp.asarray, keys)))
+    got = np.asarray(ascending_ranks(jnp.asarray(first), *map(jnp.asarray, keys)))
     order = np.lexsort([np.arange(n), *reversed(keys), first])  # last key is the primary one
     want = np.empty(n, np.int64)
     want[order] = np.arange(n)
     np.testing.assert_array_equal(got, want)
     sorted_by_lax = jax.lax.sort((jnp.asarray(first), *map(jnp.asarray, keys), jnp.arange(n)), num_keys=num_keys)
     np.testing.assert_array_equal(np.asarray(sorted_by_lax[-1]), order)
-    size = int(rng.integers(1, n + 1))
+    size = {"one": 1, "half": -(-n // 2), "all": n}[scattered_share]
     values = rng.integers(0, 1000, (n, 2)).astype(np.int32)
-    scattered = selection.scatter_by_rank(jnp.asarray(got), jnp.asarray(values), size)
+    scattered = scatter_by_rank(jnp.asarray(got), jnp.asarray(values), size)
     np.testing.assert_array_equal(np.asarray(scattered), values[order[:size]])
     floats = np.where(values[:, 0] % 3 == 0, -np.inf, np.where(values[:, 0] % 3 == 1, -0.0, values[:, 0]))
-    scattered = np.asarray(selection.scatter_by_rank(jnp.asarray(got), jnp.asarray(floats, np.float32), size))
+    scattered = np.asarray(scatter_by_rank(jnp.asarray(got), jnp.asarray(floats, np.float32), size))
     np.testing.assert_array_equal(scattered, floats[order[:size]])
     np.testing.assert_array_equal(np.signbit(scattered), np.signbit(floats[order[:size]]))  # -0.0 stays
 

@@ -40,15 +40,15 @@ def assert_same_tree(got, want):
     np.testing.assert_allclose(np.asarray(got.logw), want.logw, rtol=1e-6, atol=1e-5)
 
 
-cases = st.tuples(
-    st.integers(0, 2**31 - 1),  # seed
-    st.integers(1, 3),  # batch
-    st.integers(1, 16),  # depth L
-    st.sampled_from([2, 3, 5, 17, 64, 1000]),  # vocab
-    st.sampled_from([1, 2, 3, 7, 16, 40, 100]),  # budget
-    st.sampled_from([None, 1, 2, 4, 8]),  # cap
-    st.booleans(),  # ties
-)
+# (batch, depth L, vocab, budget, cap): a few builds, each compiled once, with many data draws. Among
+# them one request and several; depth 1 and 16; the per-depth k = min(cap, budget, vocab) equal to the
+# budget and below it (a padded first beam), 1 included (cap 1: a chain; budget 1); rank tuples in one
+# int32 word and in several (k = 100 at depth 16: four; k = 8 at depth 9: two); fewer candidate paths
+# than the budget (padding nodes: vocab 3 at depth 3, the chain of 7).
+BUILDS = [(1, 1, 2, 1, None), (2, 16, 1000, 100, None), (3, 6, 17, 40, 4), (2, 3, 3, 40, None), (1, 7, 64, 16, 1),
+          (2, 9, 64, 16, 8), (3, 5, 17, 1, None), (3, 4, 2, 3, 2)]
+cases = st.tuples(st.integers(0, 2**31 - 1), st.sampled_from(BUILDS), st.booleans()).map(  # seed, build, ties
+    lambda c: (c[0], *c[1], c[2]))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -89,9 +89,9 @@ def test_build_with_the_staged_top_k_matches_oracle(case, monkeypatch):
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_draft_temperature_matches_oracle(temperature):
-    logits = draft_logits(5, 2, 4, 30, False)
-    got = build_tree(logits, np.array([1, 2]), budget=20, topk_cap=4, draft_temperature=temperature)
-    want = oracle.build_tree(logits, np.array([1, 2]), budget=20, topk_cap=4, draft_temperature=temperature)
+    logits = draft_logits(5, 3, 6, 17, False)  # a build of BUILDS: no new compile
+    got = build_tree(logits, np.array([1, 2, 0]), budget=40, topk_cap=4, draft_temperature=temperature)
+    want = oracle.build_tree(logits, np.array([1, 2, 0]), budget=40, topk_cap=4, draft_temperature=temperature)
     assert_same_tree(got, want)
 
 
@@ -110,11 +110,11 @@ def test_without_jit_matches_jit():
 
 
 def test_vmap_over_batch_equals_per_request():
-    logits = draft_logits(4, 4, 5, 40, False)
-    roots = np.array([3, 1, 4, 1])
-    whole = build_tree(logits, roots, budget=30, topk_cap=4)
-    for b in range(4):
-        alone = build_tree(logits[b : b + 1], roots[b : b + 1], budget=30, topk_cap=4)
+    logits = draft_logits(4, 3, 6, 17, False)  # a build of BUILDS
+    roots = np.array([3, 1, 4])
+    whole = build_tree(logits, roots, budget=40, topk_cap=4)
+    for b in range(3):
+        alone = build_tree(logits[b : b + 1], roots[b : b + 1], budget=40, topk_cap=4)
         np.testing.assert_array_equal(np.asarray(alone.tokens[0]), np.asarray(whole.tokens[b]))
         np.testing.assert_array_equal(np.asarray(alone.parents[0]), np.asarray(whole.parents[b]))
 

@@ -54,8 +54,9 @@ def sample_pairs(t, k, p, *, budget, topk_cap, seed):
     emitted = np.asarray(res.emitted)
     first, second = emitted[:, 0], emitted[:, 1].copy()
     rng = np.random.default_rng(seed + 1)
-    for i in np.flatnonzero(second < 0):
-        second[i] = rng.choice(V, p=row((ROOT, int(first[i])), t, k, p))
+    for a in np.unique(first[second < 0]):  # all draws after the same first token at once
+        redraw = np.flatnonzero((second < 0) & (first == a))
+        second[redraw] = rng.choice(V, size=redraw.size, p=row((ROOT, int(a)), t, k, p))
     return first, second
 
 
