@@ -112,6 +112,7 @@ def parents_and_sibling_ranks(next_token_BN: Int[Array, "B N"],
     return jnp.take_along_axis(first_of, leftmost, axis=1), rank
 
 
+@jax.jit  # one program per shape when the samplers' checks call it on concrete links, not one per op
 def parents_from_fcns(next_token_BN: Int[Array, "B N"], next_sibling_BN: Int[Array, "B N"]) -> Int[Array, "B N"]:
     """Parent array from first-child/next-sibling links (``-1`` for the root and unreachable nodes);
     the inverse of ``compile_retrieve`` and of any other valid encoding (``parents_and_sibling_ranks``)."""
