@@ -57,21 +57,25 @@ def test_grid_crosses_the_policies_with_ddtree_only():
 
 
 def test_sweep_prices_every_call_and_projects_tokens_per_s(tmp_path):
-    grid = Grid(**dict(GRID, methods=("ar", "ddtree"), budgets=(4,)), budget_policies=("fixed", "adaptive", "batch"))
-    settings = Settings(target="embedded", drafter="embedded", dtype="float32", prompts=3, prompt_tokens=16,
-                        new_tokens=6, prompt_seed=0, seed=0, batch=2, cost_table="nvidia-h200")
+    # the CLI's default tree and the prompt and token counts of `generated`: the sweep's one-prompt calls
+    # reuse the rounds the test above compiled
+    budget, cap, prompt_tokens, new_tokens = 16, 4, len(PROMPT_IDS.split(",")), 10
+    grid = Grid(**dict(GRID, methods=("ar", "ddtree"), budgets=(budget,), topk_caps=(cap,)),
+                budget_policies=("fixed", "adaptive", "batch"))
+    settings = Settings(target="embedded", drafter="embedded", dtype="float32", prompts=3, prompt_tokens=prompt_tokens,
+                        new_tokens=new_tokens, prompt_seed=0, seed=0, batch=2, cost_table="nvidia-h200")
     out = tmp_path / "policies.csv"
     rows = run_sweep(grid, settings, out)
     assert read_rows(out) == rows and len(rows) == 4 * 3
     table = costs.load("nvidia-h200")
     for row in rows:  # one call of 2 prompts, one of 1: each priced by the curve of its own batch size
-        curve = table.curve(2 if row["prompt"] < 2 else 1, 16 + 6)
-        if row["method"] == "ar":  # 6 rounds of one token
-            assert row["model_ms"] == pytest.approx(6 * curve.decode_ms)
+        curve = table.curve(2 if row["prompt"] < 2 else 1, prompt_tokens + new_tokens)
+        if row["method"] == "ar":  # one token a round
+            assert row["model_ms"] == pytest.approx(new_tokens * curve.decode_ms)
         else:  # a round verifies 0 .. 4 x budget drafts per request
             call = [r["rounds"] for r in rows if sweep.cell_of(r) == sweep.cell_of(row)
                     and (r["prompt"] < 2) == (row["prompt"] < 2)]
-            assert float(curve.at(0)) * max(call) <= row["model_ms"] <= float(curve.at(4 * 4)) * max(call)
+            assert float(curve.at(0)) * max(call) <= row["model_ms"] <= float(curve.at(4 * budget)) * max(call)
     greedy = {r["budget_policy"]: r["emitted"] for r in rows if r["method"] == "ddtree" and r["prompt"] == 2}
     assert len(set(greedy.values())) == 1  # greedy: every policy emits the same tokens
     summary = plot.summarise(rows)

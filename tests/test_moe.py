@@ -1,6 +1,8 @@
 """The routed-experts MLP (ddtree_jax.models.moe) against the NumPy oracle, expert shards, routing,
 and the grouped matmul it is built on."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,10 +24,15 @@ def operands(tokens, experts, width, seed, dim=8):
             (0.5 * rng.normal(size=(experts, width, dim))).astype(np.float32))
 
 
+@functools.partial(jax.jit, static_argnames=("top_k", "normalize"))
+def _routed(h, router, gate_up, down, first, *, top_k, normalize):
+    weights, experts = moe.route(h, router, top_k, normalize)
+    return moe.grouped_experts(h, weights, experts, gate_up, down, first)
+
+
 def routed(h, router, gate_up, down, top_k, normalize, first=0):
-    weights, experts = moe.route(jnp.asarray(h), jnp.asarray(router), top_k, normalize)
-    return np.asarray(moe.grouped_experts(jnp.asarray(h), weights, experts, jnp.asarray(gate_up), jnp.asarray(down),
-                                          first))
+    """The routed MLP as one jitted program (one compilation per shape, not one per op)."""
+    return np.asarray(_routed(h, router, gate_up, down, first, top_k=top_k, normalize=normalize))
 
 
 @settings(deadline=None, max_examples=40)
