@@ -27,6 +27,7 @@ final token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -192,6 +193,7 @@ def argmax_walk(tokens_BN, parents_BN, argmax_BN, max_depth: int, sibling_rank_B
                 sibling_rank_BN)
 
 
+@functools.partial(jax.jit, static_argnames=("max_depth",))
 def tree_sample_reference(tokens_BN, parents_BN, logits_BNV, coins_BN, final_coins_B, temperature_B, top_k_B, top_p_B,
                           *, max_depth: int):
     """Verify each request's tree against the target logits, greedy and sampled requests mixed.
