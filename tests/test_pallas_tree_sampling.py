@@ -81,12 +81,15 @@ def test_truncation_by_candidates_and_by_passes(seed, capacity, parallel_rows):
     """A vocabulary larger than the candidate scratch: kept sets are found from candidate floors
     (geometric, then refined; by the walk, or over the whole GPU before it) and searched in
     registers, or, when more tokens than ``capacity`` reach every usable floor, by bit searches
-    over the whole row."""
+    over the whole row. ``block_v = 1024`` gives candidate passes of 64-entry blocks (47 per row, the
+    interpreter runs one program per row and block) and the same rows in each category (found by the
+    rows pass, by the passes over the whole GPU, left to bit searches) as 256 with four times the
+    programs; the walk still reads the row in three blocks, the last one short."""
     rows = [(1.0, 5, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.5), (1.3, 0, 0.9), (0.6, 40, 0.8), (1.0, 0, 0.99),
             (1.0, 300, 1.0), (0.3, 0, 0.95), (2.0, 1, 1.0), (1.0, 12, 0.2)]
     tree, logits, coins, final = make_round(seed, batch=len(rows), depth=4, vocab=3000, budget=10,
                                             logit_scale=4.0, agree=8.0)
-    assert_same(tree, logits, coins, final, *params(*rows), block_v=256, capacity=capacity,
+    assert_same(tree, logits, coins, final, *params(*rows), block_v=1024, capacity=capacity,
                 parallel_rows=parallel_rows)
 
 
