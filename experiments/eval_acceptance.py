@@ -7,6 +7,7 @@ cell (a run stopped midway keeps the cells it finished) and a PNG at the end.
 
     python experiments/eval_acceptance.py --prompts 100 --new-tokens 128
     python experiments/eval_acceptance.py --methods chain,ddtree64,ddtree16cap4   # B = 16 with a per-depth cap 4
+    python experiments/eval_acceptance.py --methods chain,ddtree64 --temperatures 0 --draft-temperature 0.5,0.6
 """
 
 from __future__ import annotations
@@ -48,6 +49,30 @@ def parse_methods(spec: str, default_cap: int = 0) -> list[tuple[str, str, int, 
         else:
             raise ValueError(f"--methods: unknown method {item!r} (ar, chain, ddtreeB, ddtreeBcapK)")
     return out
+
+
+def parse_draft_temperatures(spec: str) -> list[float]:
+    """``"0.5,0.6"`` -> ``[0.5, 0.6]``; each must be a finite number > 0."""
+    out = []
+    for item in spec.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = float("nan")
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"--draft-temperature: {item!r} is not a number > 0")
+        out.append(value)
+    return out
+
+
+def grid(methods, temperatures, draft_temperatures) -> list[tuple[str, str, int, int, float, float]]:
+    """The cells ``(label, method, budget, topk_cap, temperature, draft_temperature)``: every method at
+    every temperature, the drafted ones at every draft temperature (labelled ``"... dtX"`` when there
+    are several), AR once per temperature."""
+    several = len(draft_temperatures) > 1
+    return [(f"{label} dt{dt:g}" if several and method != "ar" else label, method, budget, cap, t, dt)
+            for t in temperatures for label, method, budget, cap in methods
+            for dt in (draft_temperatures[:1] if method == "ar" else draft_temperatures)]
 
 
 def plot(rows, path):
@@ -92,8 +117,9 @@ def main(argv=None):
     ap.add_argument("--methods", default="ar,chain,ddtree16,ddtree64,ddtree256",
                     help="comma-separated: ar, chain, ddtreeB, ddtreeBcapK (default: the five listed)")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated target temperatures (default: 0,1)")
-    ap.add_argument("--draft-temperature", type=float, default=1.0,
-                    help="temperature of the draft marginals the chain and DDTree draft from (default: 1)")
+    ap.add_argument("--draft-temperature", default="1",
+                    help="temperature of the draft marginals the chain and DDTree draft from; a comma-separated "
+                         "list runs every drafted cell at each, in one process (default: 1)")
     ap.add_argument("--topk-cap", type=int, default=0, help="DDTree per-depth cap of ddtreeB methods; 0 = none")
     ap.add_argument("--batch", type=int, default=100, help="prompts per generate call (default: 100)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of the coins (default: 0)")
@@ -101,21 +127,23 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=Path("experiments/results/acceptance"),
                     help="output path without suffix: .json, .csv and .png are written")
     args = ap.parse_args(argv)
+    draft_temperatures = parse_draft_temperatures(args.draft_temperature)
 
     dtype = jnp.dtype(args.dtype)
     target, drafter = load_target(args.target, dtype), load_drafter(args.drafter, dtype)
     tokenizer = Tokenizer.from_file(args.target / "tokenizer.json")
     prompts = corpus.heldout_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
-    cells = [(m, float(t)) for t in args.temperatures.split(",") for m in parse_methods(args.methods, args.topk_cap)]
+    cells = grid(parse_methods(args.methods, args.topk_cap), [float(t) for t in args.temperatures.split(",")],
+                 draft_temperatures)
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                 python=sys.version.split()[0], command=" ".join(sys.argv))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    for (label, method, budget, cap), temperature in tqdm(cells, desc="cells"):
+    for label, method, budget, cap, temperature, draft_temperature in tqdm(cells, desc="cells"):
         emitted, rounds, expected, seconds = [], [], [], 0.0
         for start in range(0, len(prompts), args.batch):
             res = generate(target, drafter, prompts[start:start + args.batch], method=method, budget=budget,
-                           topk_cap=cap or None, temperature=temperature, draft_temperature=args.draft_temperature,
+                           topk_cap=cap or None, temperature=temperature, draft_temperature=draft_temperature,
                            max_new_tokens=args.new_tokens, key=jax.random.key(args.seed),
                            request_ids=np.arange(start, start + len(prompts[start:start + args.batch])))
             e, r = per_request_tau(res)
@@ -127,7 +155,7 @@ def main(argv=None):
         emitted, rounds, expected = np.concatenate(emitted), np.concatenate(rounds), np.concatenate(expected)
         lo, hi = bootstrap_ci(emitted, rounds, seed=args.seed)
         row = dict(label=label, method=method, budget=budget, topk_cap=cap, temperature=temperature,
-                   draft_temperature=args.draft_temperature,
+                   draft_temperature=draft_temperature,
                    tau=float(emitted.sum() / rounds.sum()), tau_lo=lo, tau_hi=hi,
                    expected_accepted=float(expected.mean()), measured_accepted=float(emitted.sum() / rounds.sum() - 1),
                    prompts=len(prompts), new_tokens=args.new_tokens, tokens_per_s=float(emitted.sum() / seconds))
