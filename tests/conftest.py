@@ -32,7 +32,9 @@ def pytest_configure(config):
     if _CACHE_DIR not in os.environ:  # the controller, or a session without workers
         os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="ddtree-jax-tests-")
         config.stash[_owned_cache] = os.environ[_CACHE_DIR]
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    # Only programs that took a second or more to compile are written: writing and reading an entry cost
+    # more than compiling a small program again (two modules: 74 -> 65-69 s, 190 entries -> 6).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
     # The tests' programs are small and most run a few times: XLA's CPU backend spends longer
     # generating their machine code than running it. The lowest optimization level (two modules:
     # 292 s -> 208 s) and the older loop emitters for fusions instead of the MLIR ones (two more
@@ -43,7 +45,8 @@ def pytest_configure(config):
     if "xla_backend_optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {_FAST_COMPILE_FLAGS}".strip()
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 _owned_cache = pytest.StashKey[str]()
