@@ -32,9 +32,10 @@ def pytest_configure(config):
     if _CACHE_DIR not in os.environ:  # the controller, or a session without workers
         os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="ddtree-jax-tests-")
         config.stash[_owned_cache] = os.environ[_CACHE_DIR]
-    # Only programs that took a second or more to compile are written: writing and reading an entry cost
-    # more than compiling a small program again (two modules: 74 -> 65-69 s, 190 entries -> 6).
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+    # Every program is written. Writing only those that took a second or more to compile makes one
+    # process faster (two modules alone: 74 -> 65-69 s) but the suite no faster (963 -> 961 s on a clean
+    # clone): the small programs other workers load make up for it.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     # The tests' programs are small and most run a few times: XLA's CPU backend spends longer
     # generating their machine code than running it. The lowest optimization level (two modules:
     # 292 s -> 208 s) and the older loop emitters for fusions instead of the MLIR ones (two more
