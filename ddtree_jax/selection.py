@@ -19,6 +19,10 @@ from jaxtyping import Array, Float, Int
 # Counting costs P^2 per call, a sort about log^2 P kernel stages: on an H200 counting was faster at
 # P <= 960 (budgets 16 and 64, batch 1 and 8), the sort at P = 3,489 and 7,680 (budget 512, batch 8).
 COUNT_MAX = 2048
+# A single request's rankings are counted up to this many entries on a GPU: on an H200 the budget-512
+# build at batch 1 (3,489 candidates a depth, 7,680 in the global order) took 1.04 ms counted against
+# 1.22 ms sorted, while at batch 8 counting them took 15.4 ms against 1.52 ms.
+SINGLE_COUNT_MAX = 8192
 # The staged top-k's cost model, in kernel launches: a count of this many comparisons costs about one
 # launch on an H200 (a few TB/s of comparisons against about 2.5 us per small kernel).
 _COUNTS_PER_LAUNCH = 10_000_000
@@ -147,17 +151,23 @@ def _take_by_rank(ranks_NP, values_NP, size):
     return jnp.max(jnp.where(hit_NSP, values_NP[..., None, :], low), axis=-1)
 
 
-def ascending_ranks(*keys_P: Array) -> Int[Array, " P"]:
+def count_limit(batch: int) -> int:
+    """How many entries `ascending_ranks` and `scatter_by_rank` count (rather than sort) in each of
+    ``batch`` independent rankings: `SINGLE_COUNT_MAX` for one ranking on a GPU, else `COUNT_MAX`."""
+    return SINGLE_COUNT_MAX if batch == 1 and jax.default_backend() == "gpu" else COUNT_MAX
+
+
+def ascending_ranks(*keys_P: Array, count_max: int = COUNT_MAX) -> Int[Array, " P"]:
     """Position of each entry when the ``[P]`` keys are sorted lexicographically, ties by index.
 
     ``ranks[p] = #{q : (keys[q], q) < (keys[p], p)}``, a permutation of ``0..P-1``: what a stable
-    ``lax.sort`` with ``num_keys = len(keys)`` puts where. Up to `COUNT_MAX` entries it is one fused
+    ``lax.sort`` with ``num_keys = len(keys)`` puts where. Up to ``count_max`` entries it is one fused
     ``P x P`` count, above it the inverse of a stable sort's permutation. Keys are compared with
     ``<`` and ``==`` (no NaNs; ``-0.0 == 0.0``).
     """
     n = keys_P[0].shape[0]
     idx = jnp.arange(n, dtype=jnp.int32)
-    if n > COUNT_MAX:
+    if n > count_max:
         order = jax.lax.sort((*keys_P, idx), num_keys=len(keys_P) + 1)[-1]
         return jnp.zeros((n,), jnp.int32).at[order].set(idx, unique_indices=True)
     before = idx[:, None] < idx[None, :]  # before[q, p]: q sorts before p
@@ -166,14 +176,14 @@ def ascending_ranks(*keys_P: Array) -> Int[Array, " P"]:
     return jnp.sum(before, axis=0, dtype=jnp.int32)
 
 
-def scatter_by_rank(ranks_P: Int[Array, " P"], values_PX: Array, size: int) -> Array:
+def scatter_by_rank(ranks_P: Int[Array, " P"], values_PX: Array, size: int, count_max: int = COUNT_MAX) -> Array:
     """``out[ranks[p]] = values[p]`` for the ``ranks < size``; ``ranks`` must be distinct and cover
     ``0..size-1`` (a permutation of ``0..P-1`` with ``P >= size``).
 
-    Up to `COUNT_MAX` entries each slot takes the entry ranked to it (`_take_by_rank`: one fused
+    Up to ``count_max`` entries each slot takes the entry ranked to it (`_take_by_rank`: one fused
     reduction, where XLA's scatter is a kernel of its own); above it, a scatter.
     """
-    if ranks_P.shape[0] > COUNT_MAX:
+    if ranks_P.shape[0] > count_max:
         out = jnp.zeros((size, *values_PX.shape[1:]), values_PX.dtype)
         return out.at[ranks_P].set(values_PX, mode="drop", unique_indices=True)
     return jnp.moveaxis(_take_by_rank(ranks_P, jnp.moveaxis(values_PX, 0, -1), size), -1, 0)

@@ -110,10 +110,12 @@ def _rank_packing(k: int, depth_count: int) -> tuple[int, int, int]:
     return bits, per_word, -(-depth_count // per_word)
 
 
-def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root: Int[Array, ""], *, budget: int):
+def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root: Int[Array, ""], *, budget: int,
+                    count_max: int = selection.COUNT_MAX):
     """One request's tree arrays ``(tokens, parents, depths, logw [N], num_nodes [])`` from each
     depth's top ``K`` log-probabilities and int32 token ids (descending, ties by lower id; ``K <=
-    budget``): the beam and the global order of `build_tree`, without the vocabulary top-k."""
+    budget``): the beam and the global order of `build_tree`, without the vocabulary top-k. Rankings of
+    up to ``count_max`` entries are counted, longer ones sorted (`selection.count_limit`)."""
     depth_count, k = lp_LK.shape
     neg_inf = jnp.float32(-jnp.inf)
     width = budget
@@ -132,23 +134,23 @@ def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root:
 
     pair_i, pair_r = map(jnp.asarray, _beam_pairs(width, k))
     # Candidates of one depth compare their rank tuples: word by word (the parent's, then the new rank)
-    # where they are counted; where they are sorted (more than COUNT_MAX of them), as one int key,
+    # where they are counted; where they are sorted (more than count_max of them), as one int key,
     # parent's lexicographic position x K + rank, since a sort's cost grows with its keys (on an H200
     # the budget-512 build took 1.35 / 1.84 ms at batch 1 / 8 with the words, 1.12 / 1.51 ms with the
     # one key and the earlier top-k).
-    sorted_keys = pair_i.shape[0] > selection.COUNT_MAX
+    sorted_keys = pair_i.shape[0] > count_max
     lexpos = jnp.arange(width, dtype=jnp.int32)
     for d in range(1, depth_count):
         prev_logw, _, _, prev_words = beams[-1]
         cand_logw = prev_logw[pair_i] + lp_LK[d, pair_r]
         cand_words = with_rank(prev_words[pair_i], d, pair_r)
         cand_keys = (lexpos[pair_i] * k + pair_r,) if sorted_keys else tuple(cand_words.T)
-        cand_order = selection.ascending_ranks(-cand_logw, *cand_keys)
-        sel = selection.scatter_by_rank(cand_order, jnp.arange(cand_logw.shape[0], dtype=jnp.int32), width)
+        cand_order = selection.ascending_ranks(-cand_logw, *cand_keys, count_max=count_max)
+        sel = selection.scatter_by_rank(cand_order, jnp.arange(cand_logw.shape[0], dtype=jnp.int32), width, count_max)
         beams.append((cand_logw[sel], tok_LK[d, pair_r[sel]], pair_i[sel], cand_words[sel]))
         if sorted_keys:  # the beam's lexicographic positions, -inf entries last
             lexpos = selection.ascending_ranks(jnp.where(jnp.isfinite(beams[-1][0]), cand_keys[0][sel],
-                                                         jnp.iinfo(jnp.int32).max))
+                                                         jnp.iinfo(jnp.int32).max), count_max=count_max)
 
     # Global best-first order over all depths: by (-logw, rank tuple), the first B become nodes 1..B.
     logw_C = jnp.concatenate([b[0] for b in beams])
@@ -156,7 +158,7 @@ def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root:
     parent_C = jnp.concatenate([b[2] for b in beams])
     words_CX = jnp.concatenate([b[3] for b in beams])
     depth_C = jnp.repeat(jnp.arange(1, depth_count + 1, dtype=jnp.int32), width)
-    order_C = selection.ascending_ranks(-logw_C, *words_CX.T)
+    order_C = selection.ascending_ranks(-logw_C, *words_CX.T, count_max=count_max)
     node_of_C = jnp.where(order_C < budget, order_C + 1, -1)
     parent_flat = (depth_C - 2) * width + parent_C  # flat index of the parent candidate
     parent_C = jnp.where(depth_C == 1, 0, node_of_C[jnp.maximum(parent_flat, 0)])
@@ -164,7 +166,7 @@ def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root:
     real = jnp.isfinite(logw_C)
     fields = (jnp.where(real, tok_C, 0), jnp.where(real, parent_C, -1), jnp.where(real, depth_C, 0),
               jax.lax.bitcast_convert_type(jnp.where(real, logw_C, neg_inf), jnp.int32))
-    nodes_B4 = selection.scatter_by_rank(order_C, jnp.stack(fields, axis=-1), budget)  # one scatter
+    nodes_B4 = selection.scatter_by_rank(order_C, jnp.stack(fields, axis=-1), budget, count_max)  # one scatter
     heads = (root[None], jnp.array([-1], jnp.int32), jnp.array([0], jnp.int32))
     tokens, parents, depths = (jnp.concatenate([head, nodes_B4[:, j]]) for j, head in enumerate(heads))
     logw = jnp.concatenate([jnp.zeros((1,), jnp.float32), jax.lax.bitcast_convert_type(nodes_B4[:, 3], jnp.float32)])
@@ -178,7 +180,7 @@ def build_tree_unchecked(draft_logits, root_tokens, draft_temperature, *, budget
     k = min(budget, vocab) if topk_cap is None else min(topk_cap, budget, vocab)
     lp_BLV = draft_log_probs(draft_logits, draft_temperature)
     lp_BLK, tok_BLK = selection.top_k(lp_BLV, k)  # ties: lower token id first
-    build = functools.partial(tree_from_top_k, budget=budget)
+    build = functools.partial(tree_from_top_k, budget=budget, count_max=selection.count_limit(draft_logits.shape[0]))
     tokens, parents, depths, logw, num_nodes = jax.vmap(build)(lp_BLK, tok_BLK, root_tokens.astype(jnp.int32))
     return DraftTree(tokens, parents, depths, logw, num_nodes, max_depth=depth_count)
 

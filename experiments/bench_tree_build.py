@@ -69,7 +69,8 @@ empty = jax.jit(lambda x: x + 1)
 
 @functools.partial(jax.jit, static_argnames=("budget",))
 def beam(lp_BLK, tok_BLK, roots, *, budget):
-    return jax.vmap(functools.partial(tree_from_top_k, budget=budget))(lp_BLK, tok_BLK, roots)
+    count_max = selection.count_limit(lp_BLK.shape[0])  # as build_tree_unchecked chooses it
+    return jax.vmap(functools.partial(tree_from_top_k, budget=budget, count_max=count_max))(lp_BLK, tok_BLK, roots)
 
 
 @jax.jit

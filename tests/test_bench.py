@@ -49,6 +49,21 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     assert result["meta"]["settings"]["budgets"] == [4, 8] and result["meta"]["settings"]["top_k"] == 5
 
 
+def test_rooflines_read_the_weights_and_the_kv_caches_of_the_batch_and_context():
+    """The floor of a step grows with the KV cache it reads: 2 (keys, values) x batch x context x layers x
+    KV heads x head_dim elements of the cache dtype, for the target and, in the round, the drafter."""
+    target, drafter = bench.make_models("tiny")
+    tc, dc, hbm = target.config, drafter.config, 1e12
+    decode0, round0 = bench.rooflines(target, drafter, hbm, batch=1, context=0)
+    assert decode0 == pytest.approx(1e3 * bench.streamed_bytes(target) / hbm) and round0 > decode0
+    decode, round_ = bench.rooflines(target, drafter, hbm, batch=3, context=40)
+    itemsize = np.dtype(target.dtype).itemsize
+    target_kv = 2 * 3 * 40 * tc.num_hidden_layers * tc.num_key_value_heads * tc.head_dim * itemsize
+    drafter_kv = 2 * 3 * 40 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim * itemsize
+    assert decode - decode0 == pytest.approx(1e3 * target_kv / hbm)
+    assert round_ - round0 == pytest.approx(1e3 * (target_kv + drafter_kv) / hbm)
+
+
 def test_back_to_back_queues_the_calls_and_blocks_once():
     """`bench.back_to_back_ms` calls ``fn`` ``steps`` times per timed repeat (plus a warm repeat) and
     divides by ``steps``."""

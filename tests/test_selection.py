@@ -187,3 +187,10 @@ def test_extreme_logits_give_no_nan_and_the_oracle_tree():
         for field in ("tokens", "parents", "depths", "num_nodes"):
             np.testing.assert_array_equal(np.asarray(getattr(got, field)), getattr(want, field), err_msg=field)
         np.testing.assert_allclose(np.asarray(got.logw), want.logw, rtol=1e-6, atol=1e-5)
+
+
+def test_count_limit_raised_for_one_request_on_a_gpu(monkeypatch):
+    assert selection.count_limit(1) == selection.COUNT_MAX  # this CPU
+    monkeypatch.setattr(selection.jax, "default_backend", lambda: "gpu")
+    assert selection.count_limit(1) == selection.SINGLE_COUNT_MAX > selection.COUNT_MAX
+    assert selection.count_limit(2) == selection.count_limit(8) == selection.COUNT_MAX

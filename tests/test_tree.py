@@ -87,6 +87,19 @@ def test_build_with_the_staged_top_k_matches_oracle(case, monkeypatch):
     jax.clear_caches()
 
 
+def test_a_single_request_counted_beyond_count_max_matches_oracle(monkeypatch):
+    """A GPU counts one request's rankings up to `selection.SINGLE_COUNT_MAX` entries: at budget 512 the
+    beam's 3,489 candidates a depth and the 7,680 of the global order, which are sorted elsewhere."""
+    assert len(tree._beam_pairs(512, 512)[0]) > selection.COUNT_MAX and 15 * 512 <= selection.SINGLE_COUNT_MAX
+    monkeypatch.setattr(tree.selection, "count_limit", lambda batch: selection.SINGLE_COUNT_MAX)
+    jax.clear_caches()
+    logits = draft_logits(4, 1, 15, 3000, True)
+    assert_same_tree(build_tree(logits, np.array([7]), budget=512),
+                     oracle.build_tree(logits, np.array([7]), budget=512))
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_draft_temperature_matches_oracle(temperature):
     logits = draft_logits(5, 3, 6, 17, False)  # a build of BUILDS: no new compile

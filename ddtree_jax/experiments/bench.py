@@ -32,8 +32,8 @@ build and the sampler last less than a dispatch, so queued calls would time the 
 that nothing is hoisted), per step. The share of build + sampling in a round (``core_share``) is taken
 from these and the round back to back.
 
-The HBM roofline (the weights each step must stream once, at ``--hbm-tbps``) is reported on
-accelerators only; on a CPU it is n/a.
+The HBM roofline of each (batch, context) (the weights and the committed KV cache each step must
+read once, at ``--hbm-tbps``) is reported on accelerators only; on a CPU it is n/a.
 
 Part 1's rounds also become a cost table for the device (`ddtree_jax.costs`, the model of the
 adaptive budget policy): ``<out stem>_costs.json`` next to the JSON (`write_cost_table`).
@@ -296,24 +296,31 @@ def streamed_bytes(target) -> int:
     return weight_bytes((p.layers, p.final_norm, p.embed if p.lm_head is None else p.lm_head))
 
 
-def rooflines(target, drafter, hbm_bytes_per_s: float) -> tuple[float, float]:
-    """(decode step, DDTree round) HBM floors in ms: the weights each must stream once (the
-    round adds the drafter and a second pass over the LM head)."""
+def cache_bytes(model, batch: int, context: int) -> int:
+    """Bytes of the keys and values of ``context`` committed tokens of ``batch`` requests in ``model``'s
+    KV cache (every layer), which a step's attention reads once."""
+    cfg = model.config
+    return (2 * batch * context * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+            * jnp.dtype(model.dtype).itemsize)
+
+
+def rooflines(target, drafter, hbm_bytes_per_s: float, batch: int, context: int) -> tuple[float, float]:
+    """(decode step, DDTree round) HBM floors in ms at ``batch`` requests of ``context`` committed
+    tokens: the weights and KV caches each must read once (the round adds the drafter's weights and
+    context cache and a second pass over the LM head)."""
     p = target.params
     head_bytes = weight_bytes(p.embed if p.lm_head is None else p.lm_head)
-    decode = 1e3 * streamed_bytes(target) / hbm_bytes_per_s
-    return decode, decode + 1e3 * (weight_bytes(drafter.params) + head_bytes) / hbm_bytes_per_s
+    decode = 1e3 * (streamed_bytes(target) + cache_bytes(target, batch, context)) / hbm_bytes_per_s
+    drafter_bytes = weight_bytes(drafter.params) + head_bytes + cache_bytes(drafter, batch, context)
+    return decode, decode + 1e3 * drafter_bytes / hbm_bytes_per_s
 
 
 def bench_shapes(args, emit) -> None:
     """Part 1: calls ``emit(row)`` per (batch, context, budget)."""
     target, drafter = make_models(args.shapes)
-    if jax.default_backend() == "cpu":  # no HBM: a bandwidth floor means nothing there
-        decode_floor = round_floor = None
+    on_cpu = jax.default_backend() == "cpu"  # no HBM: a bandwidth floor means nothing there
+    if on_cpu:
         print("roofline n/a on a CPU", flush=True)
-    else:
-        decode_floor, round_floor = rooflines(target, drafter, args.hbm_tbps * 1e12)
-        print(f"decode roofline {decode_floor:.2f} ms, DDTree round floor {round_floor:.2f} ms", flush=True)
     impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl)
     rows, total = 0, len(args.batches) * len(args.contexts) * len(args.budgets)
     for batch in args.batches:
@@ -324,7 +331,10 @@ def bench_shapes(args, emit) -> None:
             decode_first_s = first_call_s(decode)
             decode_ms = median_ms(decode, args.repeats)
             decode_b2b_ms = back_to_back_ms(decode, args.repeats)
-            roofline = f"{decode_b2b_ms / decode_floor:.2f}x roofline back to back; " if decode_floor else ""
+            decode_floor, round_floor = (None, None) if on_cpu else rooflines(target, drafter, args.hbm_tbps * 1e12,
+                                                                               batch, context)
+            roofline = (f"{decode_b2b_ms / decode_floor:.2f}x its {decode_floor:.2f} ms roofline back to back, DDTree "
+                        f"round floor {round_floor:.2f} ms; " if decode_floor else "")
             print(f"batch {batch} context {context}: decode step {decode_ms:.2f} ms a call, {decode_b2b_ms:.2f} ms "
                   f"back to back ({roofline}first call {decode_first_s:.1f} s)", flush=True)
             for budget in args.budgets:
