@@ -33,6 +33,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the s
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========
 
+The tree build (``ddtree_jax.tree``) is XLA's ops everywhere; ``pallas_kernels.tree_build`` does its beam
+and global order in one program per request and is not dispatched until a GPU measures it faster.
+
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
 tables of ``pallas_kernels/configs.py``, keyed by the device's compute capability.

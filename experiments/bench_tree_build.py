@@ -13,6 +13,9 @@ budget B (no top-k cap, so K = B):
   beam          = the per-depth beam and the global order (`tree_from_top_k`, from the top-K)
   encodings     = attention mask + positions of a built tree
   lax_top_k     = plain ``lax.top_k(lp, K)`` over the vocabulary: what XLA gives for the top-k
+  beam_kernel   = ``beam`` by the Pallas tree-build kernel (`pallas_kernels.tree_build`, budgets it
+                  takes; interpreted off a GPU), and ``kernel_in_loop`` the ``full_in_loop`` build
+                  with it; ``kernel_equal`` says whether its tree equals the XLA path's on this device
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
 device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
@@ -40,6 +43,7 @@ from ddtree_jax.experiments import profiling  # noqa: E402
 from ddtree_jax.experiments.bench import checksum, loop_ms  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.tree import (  # noqa: E402
+    DraftTree,
     build_tree_unchecked,
     draft_log_probs,
     tree_attention_mask,
@@ -47,10 +51,12 @@ from ddtree_jax.tree import (  # noqa: E402
     tree_positions,
 )
 from experiments.common import median_ms  # noqa: E402
+from pallas_kernels.tree_build import kernel_supports, tree_nodes  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 LOOP_STEPS = 20
-COLUMNS = ("full_ms", "full_in_loop_ms", "log_softmax_ms", "top_k_ms", "beam_ms", "encodings_ms", "lax_top_k_ms")
+COLUMNS = ("full_ms", "full_in_loop_ms", "log_softmax_ms", "top_k_ms", "beam_ms", "encodings_ms", "lax_top_k_ms",
+           "beam_kernel_ms", "kernel_in_loop_ms")
 
 
 def build_and_encode(draft_logits, roots, budget):
@@ -71,6 +77,26 @@ empty = jax.jit(lambda x: x + 1)
 def beam(lp_BLK, tok_BLK, roots, *, budget):
     count_max = selection.count_limit(lp_BLK.shape[0])  # as build_tree_unchecked chooses it
     return jax.vmap(functools.partial(tree_from_top_k, budget=budget, count_max=count_max))(lp_BLK, tok_BLK, roots)
+
+
+def kernel_tree(lp_BLK, tok_BLK, roots, budget) -> DraftTree:
+    """`tree_from_top_k`'s tree from the tree-build kernel's nodes, the root prepended."""
+    interpret = jax.default_backend() != "gpu"
+    tokens, parents, depths, logw = tree_nodes(lp_BLK, tok_BLK, budget=budget, interpret=interpret)
+    head = jnp.zeros((lp_BLK.shape[0], 1), jnp.int32)
+    return DraftTree(jnp.concatenate([roots[:, None], tokens], 1), jnp.concatenate([head - 1, parents], 1),
+                     jnp.concatenate([head, depths], 1), jnp.concatenate([head.astype(jnp.float32), logw], 1),
+                     1 + jnp.sum(parents >= 0, axis=1, dtype=jnp.int32), max_depth=lp_BLK.shape[1])
+
+
+beam_kernel = jax.jit(kernel_tree, static_argnames=("budget",))
+
+
+def build_and_encode_with_kernel(draft_logits, roots, budget):
+    lp_BLV = draft_log_probs(draft_logits, jnp.float32(1.0))
+    lp_BLK, tok_BLK = selection.top_k(lp_BLV, min(budget, draft_logits.shape[-1]))
+    tree = kernel_tree(lp_BLK, tok_BLK, roots, budget)
+    return tree, tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
 
 
 @jax.jit
@@ -103,7 +129,22 @@ def time_row(draft_logits, budget, repeats) -> dict:
         encodings_ms=median_ms(lambda: encodings(tree, roots), repeats),
         lax_top_k_ms=median_ms(lambda: lax_top_k(lp, k=k), repeats),
         hbm_floor_ms=1e3 * draft_logits.size * draft_logits.dtype.itemsize / HBM_BYTES_PER_S,
+        **kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, repeats),
     )
+
+
+def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, repeats) -> dict:
+    """The tree-build kernel's columns of a row (NaN where the kernel does not take the budget)."""
+    if not kernel_supports(budget, lp_k.shape[2], lp_k.shape[1]):
+        return dict(beam_kernel_ms=float("nan"), kernel_in_loop_ms=float("nan"), kernel_equal=None)
+    got = beam_kernel(lp_k, tok_k, roots, budget=budget)
+    equal = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree)))
+    return dict(
+        beam_kernel_ms=median_ms(lambda: beam_kernel(lp_k, tok_k, roots, budget=budget), repeats),
+        kernel_in_loop_ms=loop_ms(
+            lambda ops, i, acc: acc + checksum(build_and_encode_with_kernel(ops[0][i % 4], ops[1], budget)),
+            (drafts, roots), jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS),
+        kernel_equal=equal)
 
 
 def parse_ints(flag: str, text: str) -> list[int]:

@@ -31,6 +31,10 @@ device, over shapes too large for the CPU.
 - ``kv_write``: the K/V cache-write kernel (``kernels.kv_write_fn("pallas")``) against its reference,
   bit for bit: decode, verify and prefill rows, slots past the cache's end (dropped), and a stacked
   cache of more than 2**31 elements written in its last layer.
+- ``tree_build``: the tree-build kernel (``pallas_kernels.tree_build``) against its reference and the
+  library's XLA path, from the top-K of random draft logits at V = 151,936 (with duplicated values,
+  and depths whose top token has probability 1, so that entries of different depths tie): identical
+  nodes required.
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
 """
@@ -47,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import kernels
+from ddtree_jax import kernels, tree
 from ddtree_jax.experiments.bench import SHAPES
 from ddtree_jax.models import KVCache, Qwen3Config, init_target, target_forward
 from ddtree_jax.verify import verify_from_coins
@@ -60,6 +64,8 @@ from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 from pallas_kernels.tree_attention_reference import tree_attention_reference
+from pallas_kernels.tree_build import tree_nodes
+from pallas_kernels.tree_build_reference import tree_nodes_reference
 from pallas_kernels.tree_sampling import SamplerConfig
 
 # (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
@@ -281,6 +287,41 @@ def check_kv_write(interpret=False, cases=KV_WRITE_CASES):
     return records
 
 
+# (batch, depth L, vocab, budget, k, ties) of the tree-build kernel: the CLI's default tree (16, cap 4),
+# budgets 16 and 32 uncapped, a chain, at batch 1 and 8
+TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False), (8, 15, 151_936, 16, 16, True), (1, 15, 151_936, 32, 32, True),
+                    (8, 15, 151_936, 32, 8, False), (2, 15, 151_936, 16, 1, True)]
+
+
+def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):
+    """The tree-build kernel (or interpreted) against `tree_nodes_reference` and the library's
+    ``tree_from_top_k``: identical tokens, parents, depths and log-weights."""
+    records = []
+    for seed, (batch, depth, vocab, budget, k, ties) in enumerate(cases):
+        rng = np.random.default_rng(seed)
+        logits = rng.normal(size=(batch, depth, vocab)).astype(np.float32) * 3
+        if ties:  # duplicated values, and rows whose top token has probability 1 (exp(-200) underflows)
+            logits = np.round(logits)
+            logits[:, 1::2] = -200.0
+            logits[:, 1::2, 0] = 0.0
+        lp, ids = jax.lax.top_k(tree.draft_log_probs(jnp.asarray(logits), 1.0), k)
+        ids = ids.astype(jnp.int32)
+        record = dict(part="tree_build", batch=batch, depth=depth, vocab=vocab, budget=budget, k=k, ties=ties)
+
+        def check(lp=lp, ids=ids, budget=budget):
+            got = tree_nodes(lp, ids, budget=budget, interpret=interpret)
+            ref = tree_nodes_reference(lp, ids, budget=budget)
+            library = jax.vmap(functools.partial(tree.tree_from_top_k, budget=budget))(
+                lp, ids, jnp.zeros(lp.shape[0], jnp.int32))[:4]
+            same_ref = all(bool(jnp.array_equal(g, r)) for g, r in zip(got, ref, strict=True))
+            same_library = all(bool(jnp.array_equal(g, w[:, 1:])) for g, w in zip(got, library, strict=True))
+            return dict(identical_to_reference=same_ref, identical_to_library=same_library,
+                        ok=same_ref and same_library)
+
+        records.append(_run_case(record, check))
+    return records
+
+
 def _run_case(record, check):
     """``record`` updated with ``check()`` (a dict with ``ok``) or with the error it raised; timed and
     printed."""
@@ -360,7 +401,8 @@ def _check_attention_backend(record, args, scale, ref, backend):
     return _run_case(record, check)
 
 
-PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope", "rope_write", "kv_write")
+PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope", "rope_write", "kv_write",
+         "tree_build")
 
 
 def main(argv=None):
@@ -379,7 +421,7 @@ def main(argv=None):
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul,
                   matmul_auto=functools.partial(check_matmul, impl="auto"), forward_auto=check_forward, rope=check_rope,
-                  rope_write=check_rope_write, kv_write=check_kv_write)
+                  rope_write=check_rope_write, kv_write=check_kv_write, tree_build=check_tree_build)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

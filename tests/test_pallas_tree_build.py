@@ -1,0 +1,110 @@
+"""Tree-build kernel (beam + global order) vs its jnp reference and the library's XLA path (Pallas
+interpreter on CPU), its Triton lowering, and its bad input."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddtree_jax import tree
+from pallas_kernels.lowering import verified_triton_modules
+from pallas_kernels.tree_build import MAX_BUDGET, kernel_supports, tree_nodes
+from pallas_kernels.tree_build_reference import tree_nodes_reference
+
+
+def top_k_rows(seed, batch, depth, vocab, k, ties, certain=False):
+    """Each depth's top-k draft log-probabilities and ids, as the build takes them; with ``ties`` many
+    exact duplicates; with ``certain`` every other depth from the second has one token of log-probability
+    exactly 0 (a path through it ties with its parent, so nodes of different depths tie and only the
+    rank tuples order them); with ``vocab < k`` the rows end in ``-inf`` entries."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch, depth, vocab)).astype(np.float32) * rng.uniform(0.5, 4)
+    if ties:
+        pool = x[..., : max(1, vocab // 3)]
+        x = np.take_along_axis(pool, rng.integers(0, pool.shape[-1], size=x.shape), axis=-1)
+    if certain:  # exp(-200) underflows: the row's top token has probability 1, the others ~e^-200
+        x[:, 1::2] = -200.0
+        x[:, 1::2, 0] = 0.0
+    x = np.pad(x, [(0, 0), (0, 0), (0, max(0, k - vocab))], constant_values=-np.inf)
+    lp, ids = jax.lax.top_k(tree.draft_log_probs(jnp.asarray(x), 1.0), k)
+    return lp, ids.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def library_nodes(lp, ids, budget):
+    """The XLA path's nodes 1..budget (``tree.tree_from_top_k``, vmapped), without the root."""
+    build = jax.vmap(functools.partial(tree.tree_from_top_k, budget=budget))
+    tokens, parents, depths, logw, _ = build(lp, ids, jnp.zeros(lp.shape[0], jnp.int32))
+    return tokens[:, 1:], parents[:, 1:], depths[:, 1:], logw[:, 1:]
+
+
+def assert_equal_nodes(got, want):
+    for name, g, w in zip(("tokens", "parents", "depths", "logw"), got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
+# (batch, depth, vocab, budget, k): compiled once each. Budgets 2 to 32 with k = budget and below it
+# (a per-depth cap, k = 1 a chain), depth 1, the embedded drafter's 15 and the most, 16; rank tuples in
+# one word (k = 1) and in several (k = 16, 32: three and four words at depth 15); fewer candidate paths
+# than the budget (vocab 3: padding nodes, -inf entries in the rows).
+SHAPES = [(2, 15, 300, 16, 16), (1, 15, 300, 16, 4), (3, 5, 17, 8, 8), (2, 3, 3, 16, 3), (1, 1, 50, 4, 4),
+          (2, 16, 100, 32, 4), (1, 7, 64, 16, 1), (2, 9, 64, 32, 32), (1, 2, 5, 2, 2)]
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), shape=st.sampled_from(SHAPES), ties=st.booleans(), certain=st.booleans())
+def test_kernel_equals_reference_and_library(seed, shape, ties, certain):
+    batch, depth, vocab, budget, k = shape
+    lp, ids = top_k_rows(seed, batch, depth, vocab, k, ties, certain)
+    got = tree_nodes(lp, ids, budget=budget, interpret=True)
+    assert_equal_nodes(got, tree_nodes_reference(lp, ids, budget=budget))
+    assert_equal_nodes(got, library_nodes(lp, ids, budget))
+
+
+@pytest.mark.parametrize("budget, k", [(24, 24), (64, 8)])
+def test_reference_equals_library_beyond_the_kernel(budget, k):
+    """The reference takes any budget: at budgets the kernel does not, it equals the XLA path too."""
+    lp, ids = top_k_rows(3, 2, 6, 40, k, True)
+    assert_equal_nodes(tree_nodes_reference(lp, ids, budget=budget), library_nodes(lp, ids, budget))
+
+
+@pytest.mark.parametrize("budget, k, depth", [(16, 16, 15), (16, 4, 15), (32, 32, 15), (2, 1, 1)])
+def test_triton_lowering_verifies(budget, k, depth):
+    shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
+    (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget), *shapes)
+    assert "tt.reduce" in module
+
+
+def test_kernel_supports_small_power_of_two_budgets():
+    assert kernel_supports(16, 16, 15) and kernel_supports(32, 32, 16) and kernel_supports(2, 1, 1)
+    assert not kernel_supports(24, 8, 15)  # not a power of two
+    assert not kernel_supports(2 * MAX_BUDGET, 4, 15) and not kernel_supports(16, 32, 15)  # k > budget
+    assert not kernel_supports(16, 16, 17)  # deeper than MAX_DEPTH
+
+
+def test_bad_input_raises_clear_errors():
+    lp, ids = top_k_rows(0, 1, 3, 20, 4, False)
+    with pytest.raises(ValueError, match="does not take budget 12"):
+        tree_nodes(lp, ids, budget=12)
+    with pytest.raises(ValueError, match="tok_BLK must have the shape"):
+        tree_nodes(lp, ids[:, :2], budget=4)
+
+
+def test_gpu_equality_script_tree_build_part_runs_interpreted(monkeypatch):
+    """`experiments/check_kernels.py`'s tree_build part on small cases through the interpreter, and a
+    broken kernel fails it."""
+    from experiments import check_kernels
+
+    cases = [(2, 5, 300, 16, 4, True), (1, 3, 40, 8, 8, False)]
+    assert [r["ok"] for r in check_kernels.check_tree_build(interpret=True, cases=cases)] == [True, True]
+
+    def off_by_one(lp, ids, *, budget, interpret):
+        tokens, *rest = tree_nodes(lp, ids, budget=budget, interpret=interpret)
+        return tokens + 1, *rest
+
+    monkeypatch.setattr(check_kernels, "tree_nodes", off_by_one)
+    assert not any(r["ok"] for r in check_kernels.check_tree_build(interpret=True, cases=cases))
