@@ -29,10 +29,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ddtree_jax import checks, selection
+from pallas_kernels.tree_build import beam_pairs, rank_packing
 
 _MAX_BUDGET = 32768  # keeps the sorted beam's (parent lex position * K + rank) key inside int32
 
@@ -88,28 +88,6 @@ def draft_log_probs(draft_logits: Float[Array, "... V"], temperature) -> Float[A
     return s - jnp.log(jnp.sum(jnp.exp(s), axis=-1, keepdims=True))
 
 
-def _beam_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Static (beam index i, rank r) pairs that can reach a depth's top-``budget``.
-
-    Every (i', r') with i' <= i and r' <= r precedes (i, r) in the total order, so (i, r) can be in
-    the top ``budget`` only if ``(i + 1) * (r + 1) <= budget``: about ``budget * ln(budget)`` pairs.
-    """
-    pairs = [(i, r) for i in range(budget) for r in range(min(k, budget // (i + 1)))]
-    beam_i, rank = np.array(pairs, np.int32).T
-    return beam_i, rank
-
-
-def _rank_packing(k: int, depth_count: int) -> tuple[int, int, int]:
-    """(bits per rank, ranks per int32 word, words) to pack a rank tuple of ``rank + 1`` values.
-
-    Words hold ranks big-end first and ``0`` past a node's depth, so comparing the word tuples
-    compares the rank tuples lexicographically with a prefix before its extensions.
-    """
-    bits = k.bit_length()  # rank + 1 <= k
-    per_word = 31 // bits
-    return bits, per_word, -(-depth_count // per_word)
-
-
 def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root: Int[Array, ""], *, budget: int,
                     count_max: int = selection.COUNT_MAX):
     """One request's tree arrays ``(tokens, parents, depths, logw [N], num_nodes [])`` from each
@@ -119,7 +97,7 @@ def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root:
     depth_count, k = lp_LK.shape
     neg_inf = jnp.float32(-jnp.inf)
     width = budget
-    bits, per_word, num_words = _rank_packing(k, depth_count)
+    bits, per_word, num_words = rank_packing(k, depth_count)
 
     def with_rank(words_WX, d, r_W):  # set depth d's rank (0-based d) in the packed rank tuples
         shift = bits * (per_word - 1 - d % per_word)
@@ -132,7 +110,7 @@ def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root:
     words_WX = with_rank(jnp.zeros((width, num_words), jnp.int32), 0, rank)
     beams = [(logw, tok_LK[0, rank], jnp.full((width,), -1, jnp.int32), words_WX)]
 
-    pair_i, pair_r = map(jnp.asarray, _beam_pairs(width, k))
+    pair_i, pair_r = map(jnp.asarray, beam_pairs(width, k))
     # Candidates of one depth compare their rank tuples: word by word (the parent's, then the new rank)
     # where they are counted; where they are sorted (more than count_max of them), as one int key,
     # parent's lexicographic position x K + rank, since a sort's cost grows with its keys (on an H200

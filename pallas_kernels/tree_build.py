@@ -40,7 +40,8 @@ def _pow2(n: int) -> int:
 
 def beam_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Static (beam index, rank) pairs that can reach a depth's top ``budget``: every pair (i', r')
-    with i' <= i and r' <= r precedes (i, r), so (i, r) needs ``(i + 1) * (r + 1) <= budget``."""
+    with i' <= i and r' <= r precedes (i, r), so (i, r) needs ``(i + 1) * (r + 1) <= budget``, about
+    ``budget * ln(budget)`` pairs."""
     pairs = [(i, r) for i in range(budget) for r in range(min(k, budget // (i + 1)))]
     beam_i, rank = np.array(pairs, np.int32).T
     return beam_i, rank
@@ -48,7 +49,8 @@ def beam_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def rank_packing(k: int, depth: int) -> tuple[int, int, int]:
     """(bits per rank, ranks per int32 word, words) of a rank tuple of ``depth`` values ``rank + 1 <=
-    k``, big-end first, ``0`` past a node's depth: comparing the words compares the tuples."""
+    k``, big-end first, ``0`` past a node's depth: comparing the words compares the tuples
+    lexicographically, a prefix before its extensions."""
     bits = k.bit_length()
     per_word = 31 // bits
     return bits, per_word, -(-depth // per_word)

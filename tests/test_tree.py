@@ -90,7 +90,7 @@ def test_build_with_the_staged_top_k_matches_oracle(case, monkeypatch):
 def test_a_single_request_counted_beyond_count_max_matches_oracle(monkeypatch):
     """A GPU counts one request's rankings up to `selection.SINGLE_COUNT_MAX` entries: at budget 512 the
     beam's 3,489 candidates a depth and the 7,680 of the global order, which are sorted elsewhere."""
-    assert len(tree._beam_pairs(512, 512)[0]) > selection.COUNT_MAX and 15 * 512 <= selection.SINGLE_COUNT_MAX
+    assert len(tree.beam_pairs(512, 512)[0]) > selection.COUNT_MAX and 15 * 512 <= selection.SINGLE_COUNT_MAX
     monkeypatch.setattr(tree.selection, "count_limit", lambda batch: selection.SINGLE_COUNT_MAX)
     jax.clear_caches()
     logits = draft_logits(4, 1, 15, 3000, True)
