@@ -92,6 +92,8 @@ def test_bad_input_raises_clear_errors():
         tree_nodes(lp, ids, budget=12)
     with pytest.raises(ValueError, match="tok_BLK must have the shape"):
         tree_nodes(lp, ids[:, :2], budget=4)
+    with pytest.raises(ValueError, match=r"lp_BLK must be \[batch, L, K\]"):
+        tree_nodes(lp[0], ids[0], budget=4)
 
 
 def test_gpu_equality_script_tree_build_part_runs_interpreted(monkeypatch):
