@@ -69,6 +69,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto",
                    help="tree sampling: the fused Pallas kernel on a supported GPU without --tp/--dp (auto) "
                         "or the jnp path")
+    p.add_argument("--build-impl", choices=["auto", "xla", "pallas"], default="auto",
+                   help="the tree build's beam and global order: the Pallas kernel for the budgets it is measured "
+                        "faster at, on a supported GPU without --tp/--dp (auto), or XLA")
     p.add_argument("--target", type=Path, default=TARGET_DIR,
                    help="HF-format target directory (default: the embedded one)")
     p.add_argument("--drafter", type=Path, default=DRAFTER_DIR,
@@ -186,7 +189,7 @@ def cmd_generate(args) -> int:
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    max_new_tokens=args.max_new_tokens, key=jax.random.key(args.seed), stop_tokens=stop,
                    on_round=stream, mesh=mesh, attention_impl=args.attention_impl, sampler_impl=args.sampler_impl,
-                   budget_policy=args.budget_policy, cost_table=cost_table)
+                   build_impl=args.build_impl, budget_policy=args.budget_policy, cost_table=cost_table)
     ids = [int(t) for t in res.tokens[0, : res.lengths[0]]]
     stats = res.summary()
     stats.update(method=args.method, budget=args.budget, topk_cap=args.topk_cap, budget_policy=args.budget_policy,

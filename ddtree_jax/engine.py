@@ -39,7 +39,7 @@ from ddtree_jax.models.cache import KVCache, commit, init_cache
 from ddtree_jax.models.dflash import Drafter, append_context, check_pair, drafter_forward
 from ddtree_jax.models.qwen3 import Target, target_forward, target_forward_packed
 from ddtree_jax.sampling import batch_probs, coins_from_keys, request_keys
-from ddtree_jax.tree import DraftTree, build_tree_unchecked, tree_attention_mask, tree_positions
+from ddtree_jax.tree import DraftTree, tree_attention_mask, tree_positions
 from ddtree_jax.verify import expected_acceptance
 
 METHODS = ("ar", "chain", "ddtree")
@@ -57,6 +57,7 @@ class RoundSpec:
     attention_impl: str = "xla"  # one of kernels.IMPLS
     sampler_impl: str = "xla"  # one of kernels.IMPLS
     matmul_impl: str = "xla"  # one of kernels.IMPLS
+    build_impl: str = "xla"  # one of kernels.IMPLS
     budget_policy: str = "fixed"  # one of budget.POLICIES
     cost_ms: tuple[float, ...] | None = None  # "adaptive": modelled round ms with 0 .. budget drafts
 
@@ -217,8 +218,8 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
         drafter, target, state.drafter_cache, state.ctx_feats, ctx_positions, state.ctx_count,
         state.root, lengths, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
     draft_logits = sharding.gather_vocab(draft_logits, mesh)
-    tree = build_tree_unchecked(draft_logits, state.root, draft_temperature, budget=spec.tree_budget,
-                                topk_cap=spec.topk_cap)
+    tree = kernels.tree_build_fn(spec.build_impl, mesh)(draft_logits, state.root, draft_temperature,
+                                                        budget=spec.tree_budget, topk_cap=spec.topk_cap)
     if spec.budget_policy == "adaptive":
         tree = policies.keep_prefix(tree, policies.adaptive_keep(tree.logw, tree.num_nodes, jnp.asarray(spec.cost_ms)))
     elif spec.budget_policy == "batch":
@@ -392,23 +393,24 @@ def _pad_prompts(prompt_ids, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     return padded, lengths
 
 
-def _resolve_impls(attention_impl: str, sampler_impl: str, matmul_impl: str) -> tuple[str, str, str]:
+def _resolve_impls(attention_impl: str, sampler_impl: str, matmul_impl: str, build_impl: str) -> tuple[str, ...]:
     """Validate the kernel switches (see `ddtree_jax.kernels`)."""
     kernels.check_impl("attention_impl", attention_impl)
     kernels.check_impl("matmul_impl", matmul_impl)
     kernels.check_impl("sampler_impl", sampler_impl)
-    return attention_impl, sampler_impl, matmul_impl
+    kernels.check_impl("build_impl", build_impl)
+    return attention_impl, sampler_impl, matmul_impl, build_impl
 
 
 def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int, topk_cap: int | None,
               attention_impl: str = "xla", sampler_impl: str = "xla", matmul_impl: str = "xla",
-              budget_policy: str = "fixed") -> RoundSpec:
+              budget_policy: str = "fixed", build_impl: str = "xla") -> RoundSpec:
     """Validate the method, tree settings, kernel switches and budget policy against the models; return
     the round's static spec (``"adaptive"``: with the flat cost, which keeps every node; `generate`
     puts the cost table's ``budget + 1`` round times in ``cost_ms``)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    impls = _resolve_impls(attention_impl, sampler_impl, matmul_impl)
+    impls = _resolve_impls(attention_impl, sampler_impl, matmul_impl, build_impl)
     policies.check_policy(budget_policy)
     if budget_policy != "fixed" and method != "ddtree":
         raise ValueError(f"budget_policy={budget_policy!r} needs method 'ddtree', got method {method!r}")
@@ -450,6 +452,7 @@ def generate(
     attention_impl: str = "auto",
     sampler_impl: str = "auto",
     matmul_impl: str = "auto",
+    build_impl: str = "auto",
     on_round: Callable[[np.ndarray, np.ndarray, RoundStats], None] | None = None,
     mesh: Mesh | None = None,
     chunk_rounds: int = 16,
@@ -476,9 +479,12 @@ def generate(
         run by the Pallas interpreter (slow, for tests).
       sampler_impl: ``"auto" | "xla" | "pallas"``: the fused Pallas tree sampler on a supported GPU
         without a mesh (auto), the jnp sampler (elsewhere, or ``"xla"``), see `ddtree_jax.kernels`.
-      matmul_impl: the projections (``"auto" | "xla" | "pallas" | "interpret"``): the Pallas skinny
-        matmul for the small products of decoding on a supported GPU without a mesh (auto), XLA
-        elsewhere; see `ddtree_jax.kernels`.
+      matmul_impl: the projections (``"auto" | "xla" | "pallas" | "interpret"``): XLA's GEMMs (auto,
+        measured the fastest; products of few rows padded on the GPUs listed in `kernels.XLA_MIN_ROWS`),
+        or the Pallas skinny matmul; see `ddtree_jax.kernels`.
+      build_impl: the tree build's beam and global order (``"auto" | "xla" | "pallas" | "interpret"``):
+        the Pallas tree-build kernel for the budgets it is measured faster at on a supported GPU without
+        a mesh (auto), XLA elsewhere; see `ddtree_jax.kernels`. Trees do not depend on it.
       on_round: called for each round with ``(tokens [B, *], num_generated [B], stats)`` (host arrays:
         the tokens generated up to that round, ``-1`` after them), e.g. to stream text. After the first
         round, rounds run ``chunk_rounds`` at a time in one device loop, so the calls of a chunk come
@@ -503,7 +509,7 @@ def generate(
     checks.prompt_batch("prompt_ids", prompt_ids)
     checks.random_key("key", key)
     spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl, matmul_impl,
-                     budget_policy)
+                     budget_policy, build_impl)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
     chunk_rounds = checks.positive_int("chunk_rounds", chunk_rounds, maximum=4096)
     checks.draft_temperature(draft_temperature)

@@ -1,6 +1,6 @@
 """Which implementation runs each hot spot of a round: the one place that chooses.
 
-Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the same vocabulary,
+Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_impl``) takes the same vocabulary,
 `IMPLS`:
 
 - ``"xla"``: the plain-jnp reference beside each kernel in ``pallas_kernels/``, compiled by XLA.
@@ -33,8 +33,10 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``) takes the s
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========
 
-The tree build (``ddtree_jax.tree``) is XLA's ops everywhere; ``pallas_kernels.tree_build`` does its beam
-and global order in one program per request and is not dispatched until a GPU measures it faster.
+The tree build (``build_impl``): its beam and global order are the tree-build kernel, one program per
+request, on a supported GPU without a mesh for budgets of at most `TREE_KERNEL_MAX_BUDGET` drafts that
+the kernel takes (powers of two; 16 is the CLI's default), XLA's ops elsewhere (``ddtree_jax.tree``):
+on an H200 the kernel built B = 16 trees 30% faster and B = 32 trees more than twice slower.
 
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
@@ -50,6 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ddtree_jax import tree as tree_lib
 from ddtree_jax.sharding import cache_spec, tp_size
 from ddtree_jax.verify import result_from_path, verify_from_coins
 from pallas_kernels import configs
@@ -63,6 +66,8 @@ from pallas_kernels.qk_norm_rope import kernel_supports as qk_norm_rope_supports
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
 from pallas_kernels.tree_attention import kernel_supports, tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
+from pallas_kernels.tree_build import kernel_supports as tree_build_supports
+from pallas_kernels.tree_build import tree_nodes
 from pallas_kernels.tree_sampling import SamplerConfig, tree_sample
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
@@ -248,6 +253,36 @@ def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None
         return result_from_path(*path, tree.tokens.shape[1])
 
     return fused
+
+
+# ``auto`` builds trees of at most this many drafts with the tree-build kernel. Measured on an H200 in
+# one process (experiments/bench_tree_build.py, build + mask + positions in a loop, no cap, BENCHMARKS.md):
+# B = 16 0.157 -> 0.111 ms at batch 1 and 0.232 -> 0.201 ms at batch 8; B = 32 0.187 -> 0.437 ms.
+TREE_KERNEL_MAX_BUDGET = 16
+
+
+def tree_build_fn(impl: str, mesh: Mesh | None = None):
+    """Step 2 of a round for ``impl`` (see the module docstring): ``fn(draft_logits_BLV, root_B,
+    draft_temperature, *, budget, topk_cap) -> DraftTree``, the tree of `tree.build_tree_unchecked`
+    for every implementation. The kernel (`pallas_kernels.tree_build`, one program per request) does
+    the beam and the global order of the shapes it takes (`tree_build.kernel_supports`, decided when
+    traced), for ``"auto"`` only up to `TREE_KERNEL_MAX_BUDGET` drafts; the vocabulary top-k before it
+    is XLA's. Under a mesh the XLA path runs (the kernel is not wrapped in ``shard_map``)."""
+    impl = check_impl("build_impl", impl)
+    if _reference_only(impl, mesh):
+        return tree_lib.build_tree_unchecked
+
+    def build(draft_logits_BLV, root_B, draft_temperature, *, budget, topk_cap):
+        depth, vocab = draft_logits_BLV.shape[1:]
+        k = tree_lib.top_k_width(budget, topk_cap, vocab)
+        if not tree_build_supports(budget, k, depth) or (impl == "auto" and budget > TREE_KERNEL_MAX_BUDGET):
+            return tree_lib.build_tree_unchecked(draft_logits_BLV, root_B, draft_temperature, budget=budget,
+                                                 topk_cap=topk_cap)
+        lp_BLK, tok_BLK = tree_lib.draft_top_k(draft_logits_BLV, draft_temperature, k)
+        nodes = tree_nodes(lp_BLK, tok_BLK, budget=budget, interpret=impl == "interpret")
+        return tree_lib.tree_from_nodes(root_B, *nodes, max_depth=depth)
+
+    return build
 
 
 def shard_attention(attend_fn, mesh: Mesh, *, split_heads: bool):

@@ -82,10 +82,13 @@ class Retrieve:
 
 
 def draft_log_probs(draft_logits: Float[Array, "... V"], temperature) -> Float[Array, "... V"]:
-    """float32 ``log_softmax(logits / temperature)`` as ``s - log(sum(exp(s)))``, ``s = z - max z``."""
+    """float32 ``log_softmax(logits / temperature)`` as ``s - log(sum(exp(s)))``, ``s = z - max z``,
+    clamped at 0. The clamp matters where ``exp`` or ``log`` round inexactly: XLA's CPU code compiled
+    at its lowest optimisation level gave +4.8e-7 for a token of probability 1, and a positive edge
+    would give a child more mass than its parent and put it first in the pop order."""
     z = draft_logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
     s = z - jnp.max(z, axis=-1, keepdims=True)
-    return s - jnp.log(jnp.sum(jnp.exp(s), axis=-1, keepdims=True))
+    return jnp.minimum(s - jnp.log(jnp.sum(jnp.exp(s), axis=-1, keepdims=True)), 0.0)
 
 
 def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root: Int[Array, ""], *, budget: int,
@@ -151,13 +154,33 @@ def tree_from_top_k(lp_LK: Float[Array, "L K"], tok_LK: Int[Array, "L K"], root:
     return tokens, parents, depths, logw, 1 + jnp.sum(real & (order_C < budget), dtype=jnp.int32)
 
 
+def top_k_width(budget: int, topk_cap: int | None, vocab: int) -> int:
+    """``K``, the tokens a depth's beam can extend with: ``min(budget, V)``, capped by ``topk_cap``."""
+    return min(budget, vocab) if topk_cap is None else min(topk_cap, budget, vocab)
+
+
+def draft_top_k(draft_logits: Float[Array, "B L V"], draft_temperature, k: int):
+    """Each depth's top ``k`` draft log-probabilities (float32) and token ids (int32), ``[B, L, k]``
+    each, descending, ties by lower token id: what the beam extends with (`selection.top_k`)."""
+    return selection.top_k(draft_log_probs(draft_logits, draft_temperature), k)
+
+
+def tree_from_nodes(root_B: Int[Array, " B"], tokens_BM, parents_BM, depths_BM, logw_BM, max_depth: int) -> DraftTree:
+    """The `DraftTree` whose nodes ``1..M`` are the given ``[B, M]`` arrays (pop order, padding as in the
+    module docstring), the root prepended: how a kernel's nodes (`pallas_kernels.tree_build.tree_nodes`)
+    become the round's tree."""
+    head_B1 = jnp.zeros((root_B.shape[0], 1), jnp.int32)
+    return DraftTree(jnp.concatenate([root_B.astype(jnp.int32)[:, None], tokens_BM], 1),
+                     jnp.concatenate([head_B1 - 1, parents_BM], 1), jnp.concatenate([head_B1, depths_BM], 1),
+                     jnp.concatenate([head_B1.astype(jnp.float32), logw_BM], 1),
+                     1 + jnp.sum(parents_BM >= 0, axis=1, dtype=jnp.int32), max_depth=max_depth)
+
+
 @functools.partial(jax.jit, static_argnames=("budget", "topk_cap"))
 def build_tree_unchecked(draft_logits, root_tokens, draft_temperature, *, budget, topk_cap) -> DraftTree:
     """`build_tree` without validation, for callers inside jit (``draft_temperature`` may be traced)."""
     depth_count, vocab = draft_logits.shape[1:]
-    k = min(budget, vocab) if topk_cap is None else min(topk_cap, budget, vocab)
-    lp_BLV = draft_log_probs(draft_logits, draft_temperature)
-    lp_BLK, tok_BLK = selection.top_k(lp_BLV, k)  # ties: lower token id first
+    lp_BLK, tok_BLK = draft_top_k(draft_logits, draft_temperature, top_k_width(budget, topk_cap, vocab))
     build = functools.partial(tree_from_top_k, budget=budget, count_max=selection.count_limit(draft_logits.shape[0]))
     tokens, parents, depths, logw, num_nodes = jax.vmap(build)(lp_BLK, tok_BLK, root_tokens.astype(jnp.int32))
     return DraftTree(tokens, parents, depths, logw, num_nodes, max_depth=depth_count)

@@ -1,9 +1,9 @@
 """Micro-benchmark of the tree build at Qwen3 vocabulary size: the whole build and its parts.
 
 Times, in one process (jit, warm, ``block_until_ready``, median of repeats), for each batch and
-budget B (no top-k cap, so K = B):
-  full          = build_tree + tree_attention_mask + tree_positions from draft logits [batch, L, V],
-                  as the engine's round uses them
+budget B (``--topk-cap``, default none, so K = B):
+  full          = the XLA tree build (``build_impl="xla"``) + tree_attention_mask + tree_positions
+                  from draft logits [batch, L, V], as the engine's round uses them
   full_in_loop  = the same, per build of 20 builds in one call (a ``lax.fori_loop`` over four
                   different drafts): its cost inside a jitted round, where no dispatch is paid
   log_softmax   = the draft log-probabilities alone
@@ -15,7 +15,8 @@ budget B (no top-k cap, so K = B):
   lax_top_k     = plain ``lax.top_k(lp, K)`` over the vocabulary: what XLA gives for the top-k
   beam_kernel   = ``beam`` by the Pallas tree-build kernel (`pallas_kernels.tree_build`, budgets it
                   takes; interpreted off a GPU), and ``kernel_in_loop`` the ``full_in_loop`` build
-                  with it; ``kernel_equal`` says whether its tree equals the XLA path's on this device
+                  with it (``build_impl="pallas"``, `kernels.tree_build_fn`); ``kernel_equal`` says
+                  whether its tree equals the XLA path's on this device
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
 device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
@@ -38,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ddtree_jax import selection  # noqa: E402
+from ddtree_jax import kernels, selection  # noqa: E402
 from ddtree_jax.experiments import profiling  # noqa: E402
 from ddtree_jax.experiments.bench import checksum, loop_ms  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.tree import (  # noqa: E402
-    DraftTree,
-    build_tree_unchecked,
     draft_log_probs,
+    top_k_width,
     tree_attention_mask,
+    tree_from_nodes,
     tree_from_top_k,
     tree_positions,
 )
@@ -59,12 +60,15 @@ COLUMNS = ("full_ms", "full_in_loop_ms", "log_softmax_ms", "top_k_ms", "beam_ms"
            "beam_kernel_ms", "kernel_in_loop_ms")
 
 
-def build_and_encode(draft_logits, roots, budget):
-    tree = build_tree_unchecked(draft_logits, roots, jnp.float32(1.0), budget=budget, topk_cap=None)
+KERNEL_IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"
+
+
+def build_and_encode(draft_logits, roots, budget, topk_cap, impl="xla"):
+    tree = kernels.tree_build_fn(impl)(draft_logits, roots, jnp.float32(1.0), budget=budget, topk_cap=topk_cap)
     return tree, tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
 
 
-full = jax.jit(build_and_encode, static_argnames=("budget",))
+full = jax.jit(build_and_encode, static_argnames=("budget", "topk_cap", "impl"))
 
 
 log_softmax = jax.jit(lambda logits: draft_log_probs(logits, jnp.float32(1.0)))
@@ -79,24 +83,10 @@ def beam(lp_BLK, tok_BLK, roots, *, budget):
     return jax.vmap(functools.partial(tree_from_top_k, budget=budget, count_max=count_max))(lp_BLK, tok_BLK, roots)
 
 
-def kernel_tree(lp_BLK, tok_BLK, roots, budget) -> DraftTree:
-    """`tree_from_top_k`'s tree from the tree-build kernel's nodes, the root prepended."""
-    interpret = jax.default_backend() != "gpu"
-    tokens, parents, depths, logw = tree_nodes(lp_BLK, tok_BLK, budget=budget, interpret=interpret)
-    head = jnp.zeros((lp_BLK.shape[0], 1), jnp.int32)
-    return DraftTree(jnp.concatenate([roots[:, None], tokens], 1), jnp.concatenate([head - 1, parents], 1),
-                     jnp.concatenate([head, depths], 1), jnp.concatenate([head.astype(jnp.float32), logw], 1),
-                     1 + jnp.sum(parents >= 0, axis=1, dtype=jnp.int32), max_depth=lp_BLK.shape[1])
-
-
-beam_kernel = jax.jit(kernel_tree, static_argnames=("budget",))
-
-
-def build_and_encode_with_kernel(draft_logits, roots, budget):
-    lp_BLV = draft_log_probs(draft_logits, jnp.float32(1.0))
-    lp_BLK, tok_BLK = selection.top_k(lp_BLV, min(budget, draft_logits.shape[-1]))
-    tree = kernel_tree(lp_BLK, tok_BLK, roots, budget)
-    return tree, tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
+@functools.partial(jax.jit, static_argnames=("budget",))
+def beam_kernel(lp_BLK, tok_BLK, roots, *, budget):
+    nodes = tree_nodes(lp_BLK, tok_BLK, budget=budget, interpret=KERNEL_IMPL == "interpret")
+    return tree_from_nodes(roots, *nodes, max_depth=lp_BLK.shape[1])
 
 
 @jax.jit
@@ -104,36 +94,42 @@ def encodings(tree, roots):
     return tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
 
 
-def time_row(draft_logits, budget, repeats) -> dict:
-    """Every column of one (batch, budget) row, in ms."""
+def time_row(draft_logits, budget, topk_cap, repeats) -> dict:
+    """Every column of one (batch, budget) row, in ms (``topk_cap``: None or the per-depth cap)."""
     drafts = jnp.stack([draft_logits, draft_logits[:, ::-1], -draft_logits, draft_logits[:, :, ::-1]])
     batch, depth, vocab = draft_logits.shape
-    k = min(budget, vocab)
+    k = top_k_width(budget, topk_cap, vocab)
     roots = jnp.zeros((batch,), jnp.int32)
     lp = log_softmax(draft_logits)
     lp_k, tok_k = vocab_top_k(lp, k=k)
     want_k, want_tok = lax_top_k(lp, k=k)
     exact = bool(jnp.array_equal(lp_k, want_k) and jnp.array_equal(tok_k, want_tok))
-    tree = full(draft_logits, roots, budget=budget)[0]
+    tree = full(draft_logits, roots, budget=budget, topk_cap=topk_cap)[0]
     plan = selection.top_k_plan(vocab, k, batch * depth) if jax.default_backend() == "gpu" else None
     return dict(
-        batch=batch, budget=budget, vocab=vocab, depth=depth, k=k,
+        batch=batch, budget=budget, topk_cap=topk_cap, vocab=vocab, depth=depth, k=k,
         plan="lax" if plan is None else "x".join(map(str, plan)) or "count", top_k_exact=exact,
-        full_ms=median_ms(lambda: full(draft_logits, roots, budget=budget), repeats),
-        # step i builds from draft i % 4, so that no build is hoisted out of the loop
-        full_in_loop_ms=loop_ms(lambda ops, i, acc: acc + checksum(build_and_encode(ops[0][i % 4], ops[1], budget)),
-                                (drafts, roots), jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS),
+        full_ms=median_ms(lambda: full(draft_logits, roots, budget=budget, topk_cap=topk_cap), repeats),
+        full_in_loop_ms=in_loop_ms(drafts, roots, budget, topk_cap, "xla", repeats),
         log_softmax_ms=median_ms(lambda: log_softmax(draft_logits), repeats),
         top_k_ms=median_ms(lambda: vocab_top_k(lp, k=k), repeats),
         beam_ms=median_ms(lambda: beam(lp_k, tok_k, roots, budget=budget), repeats),
         encodings_ms=median_ms(lambda: encodings(tree, roots), repeats),
         lax_top_k_ms=median_ms(lambda: lax_top_k(lp, k=k), repeats),
         hbm_floor_ms=1e3 * draft_logits.size * draft_logits.dtype.itemsize / HBM_BYTES_PER_S,
-        **kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, repeats),
+        **kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats),
     )
 
 
-def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, repeats) -> dict:
+def in_loop_ms(drafts, roots, budget, topk_cap, impl, repeats) -> float:
+    """ms per build + encodings by ``impl`` (`kernels.tree_build_fn`) inside one jitted loop; step i
+    builds from draft i % 4, so that no build is hoisted out of the loop."""
+    def step(ops, i, acc):
+        return acc + checksum(build_and_encode(ops[0][i % 4], ops[1], budget, topk_cap, impl))
+    return loop_ms(step, (drafts, roots), jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS)
+
+
+def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats) -> dict:
     """The tree-build kernel's columns of a row (NaN where the kernel does not take the budget)."""
     if not kernel_supports(budget, lp_k.shape[2], lp_k.shape[1]):
         return dict(beam_kernel_ms=float("nan"), kernel_in_loop_ms=float("nan"), kernel_equal=None)
@@ -141,9 +137,7 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, repeats) -> dict:
     equal = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree)))
     return dict(
         beam_kernel_ms=median_ms(lambda: beam_kernel(lp_k, tok_k, roots, budget=budget), repeats),
-        kernel_in_loop_ms=loop_ms(
-            lambda ops, i, acc: acc + checksum(build_and_encode_with_kernel(ops[0][i % 4], ops[1], budget)),
-            (drafts, roots), jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS),
+        kernel_in_loop_ms=in_loop_ms(drafts, roots, budget, topk_cap, KERNEL_IMPL, repeats),
         kernel_equal=equal)
 
 
@@ -160,11 +154,14 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=15)
     ap.add_argument("--budgets", default="16,64,512")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the trees (0 = none)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)
     budgets, batches = parse_ints("budgets", args.budgets), parse_ints("batches", args.batches)
+    if args.topk_cap < 0:
+        raise ValueError(f"--topk-cap must be >= 0, got {args.topk_cap}")
     for name in ("vocab", "depth", "repeats"):
         if getattr(args, name) < (2 if name == "vocab" else 1):
             raise ValueError(f"--{name} is too small: {getattr(args, name)}")
@@ -181,10 +178,11 @@ def main(argv=None) -> int:
     for batch in batches:
         draft = jax.random.normal(jax.random.key(batch), (batch, args.depth, args.vocab), jnp.float32) * 3
         for budget in budgets:
-            row = time_row(draft, budget, args.repeats)
+            row = time_row(draft, budget, args.topk_cap or None, args.repeats)
             if args.profile:
                 try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
-                    run = functools.partial(full, draft, jnp.zeros((batch,), jnp.int32), budget=budget)
+                    run = functools.partial(full, draft, jnp.zeros((batch,), jnp.int32), budget=budget,
+                                            topk_cap=args.topk_cap or None)
                     row["profile_full"] = profiling.device_op_times(run)
                     print(profiling.format_summary(row["profile_full"]), flush=True)
                 except Exception as e:  # noqa: BLE001

@@ -15,7 +15,7 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # XLA attention (what auto picks on a CPU) lets --mesh-check reuse the round compiled for B=4
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
-            "--mesh-check", "--profile", "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
+            "--mesh-check", "--build-check", "--profile", "--profile-ops", "4", "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
             "--top-k", "5", "--attention-impl", "xla", "--draft-temperature", "0.7", "--out", str(out)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
@@ -37,6 +37,7 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
         # first calls compile: far slower than the warm median
         assert row["round_first_call_s"] * 1e3 > 2 * row["round_ms"]
         assert row["decode_first_call_s"] * 1e3 > 2 * row["decode_ms"]
+    assert all(r["build_impl"] == "auto" and r["round_xla_build_back_to_back_ms"] > 0 for r in rows)
     assert rows[0]["round_mesh1_ms"] > 0 and rows[0]["round_xla_ms"] > 0 and "round_mesh1_ms" not in rows[1]
     # the CPU records no device plane: the profiles are there and empty
     assert rows[0]["profile_round"] == rows[0]["profile_decode"] == {} and "profile_round" not in rows[1]

@@ -257,15 +257,21 @@ def test_all_methods_share_one_round_function():
 
 
 def test_pallas_kernels_behind_the_switches_give_the_same_tokens():
-    """The Pallas attention, K/V write and fused sampler (interpreted on CPU) plug into the same round."""
+    """The Pallas attention, K/V write, tree build and fused sampler (interpreted on CPU) plug into the
+    same round."""
     target, drafter = tiny_pair(vocab=8, head_dim=16)
-    kw = dict(method="ddtree", budget=6, max_new_tokens=5, temperature=np.array([0.0, 1.0, 0.7, 1.0]),
+    kw = dict(method="ddtree", budget=8, max_new_tokens=5, temperature=np.array([0.0, 1.0, 0.7, 1.0]),
               top_p=np.array([1.0, 1.0, 0.8, 1.0]), top_k=np.array([0, 0, 0, 3]), key=jax.random.key(4))
-    xla = generate(target, drafter, PROMPTS, attention_impl="xla", sampler_impl="xla", **kw)
-    kernels = generate(target, drafter, PROMPTS, attention_impl="interpret", sampler_impl="interpret", **kw)
+    xla = generate(target, drafter, PROMPTS, attention_impl="xla", sampler_impl="xla", build_impl="xla", **kw)
+    kernels = generate(target, drafter, PROMPTS, attention_impl="interpret", sampler_impl="interpret",
+                       build_impl="interpret", **kw)
     np.testing.assert_array_equal(kernels.tokens, xla.tokens)
+    per_round = lambda res: [(r.accepted.tolist(), r.tree_size.tolist()) for r in res.rounds]  # noqa: E731
+    assert per_round(kernels) == per_round(xla)
     with pytest.raises(ValueError, match="attention_impl"):
         generate(target, drafter, PROMPTS, attention_impl="cuda", **kw)
     with pytest.raises(ValueError, match="sampler_impl"):
         generate(target, drafter, PROMPTS, sampler_impl="fast", **kw)
+    with pytest.raises(ValueError, match="build_impl"):
+        generate(target, drafter, PROMPTS, build_impl="triton", **kw)
 

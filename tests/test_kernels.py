@@ -190,3 +190,58 @@ def test_qk_norm_rope_write_follows_the_attention_switch(monkeypatch):
     odd = (*_rope_args(head_dim=24), *(jnp.zeros((2, 2, 2, 6, 24)) for _ in range(2)), jnp.asarray([4, 0], jnp.int32))
     assert kernels.qk_norm_rope_write_fn("pallas")(*odd, **kwargs) != "fused"  # head_dim / 2 = 12: separately
     assert calls == [True, False]
+
+
+def _draft_logits(batch=3, depth=5, vocab=40, seed=0):
+    """Draft logits with exact ties (values on a coarse grid) and a certain depth (one huge logit)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.integers(-3, 3, (batch, depth, vocab)).astype(np.float32)
+    logits[:, 1, :] = -50.0
+    logits[:, 1, 7] = 50.0  # probability 1 in float32: entries of different depths tie
+    return jnp.asarray(logits), jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
+
+
+@pytest.mark.parametrize("budget, topk_cap", [(8, None), (16, 4), (4, 1), (2, None)])
+def test_interpreted_tree_build_equals_the_xla_build(budget, topk_cap):
+    """The kernel's tree, the root prepended by `tree.tree_from_nodes`, is the XLA build's, leaf for leaf."""
+    from ddtree_jax.tree import build_tree_unchecked
+    logits, roots = _draft_logits()
+    want = build_tree_unchecked(logits, roots, 0.7, budget=budget, topk_cap=topk_cap)
+    got = kernels.tree_build_fn("interpret")(logits, roots, 0.7, budget=budget, topk_cap=topk_cap)
+    assert got.max_depth == want.max_depth
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tree_build_dispatch(monkeypatch):
+    """XLA off a GPU, for ``xla`` and under a mesh; the kernel for ``interpret``/``pallas`` where it takes
+    the budget, and for ``auto`` on a GPU up to `TREE_KERNEL_MAX_BUDGET` drafts; XLA beyond."""
+    from ddtree_jax.sharding import make_mesh
+    from ddtree_jax.tree import build_tree_unchecked
+    assert kernels.tree_build_fn("auto") is build_tree_unchecked
+    assert kernels.tree_build_fn("xla") is build_tree_unchecked
+    assert kernels.tree_build_fn("interpret", make_mesh(1, 1)) is build_tree_unchecked
+    with pytest.raises(ValueError, match="build_impl"):
+        kernels.tree_build_fn("cuda")
+    calls = []
+
+    def fake_nodes(lp_BLK, tok_BLK, *, budget, interpret):
+        calls.append((budget, lp_BLK.shape[2], interpret))
+        batch = lp_BLK.shape[0]
+        return (jnp.zeros((batch, budget), jnp.int32), jnp.full((batch, budget), -1, jnp.int32),
+                jnp.zeros((batch, budget), jnp.int32), jnp.full((batch, budget), -jnp.inf))
+
+    monkeypatch.setattr(kernels, "tree_nodes", fake_nodes)
+    logits, roots = _draft_logits()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
+    auto, pallas = kernels.tree_build_fn("auto"), kernels.tree_build_fn("pallas")
+    tree = auto(logits, roots, 1.0, budget=kernels.TREE_KERNEL_MAX_BUDGET, topk_cap=4)
+    assert calls == [(kernels.TREE_KERNEL_MAX_BUDGET, 4, False)]
+    np.testing.assert_array_equal(np.asarray(tree.num_nodes), 1)  # the fake's empty trees, the root prepended
+    np.testing.assert_array_equal(np.asarray(tree.tokens[:, 0]), np.asarray(roots))
+    jax.block_until_ready(auto(logits, roots, 1.0, budget=2 * kernels.TREE_KERNEL_MAX_BUDGET, topk_cap=4))
+    jax.block_until_ready(pallas(logits, roots, 1.0, budget=12, topk_cap=None))  # not a power of two: XLA
+    assert len(calls) == 1
+    pallas(logits, roots, 1.0, budget=2 * kernels.TREE_KERNEL_MAX_BUDGET, topk_cap=4)
+    assert calls[-1] == (2 * kernels.TREE_KERNEL_MAX_BUDGET, 4, False)

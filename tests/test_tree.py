@@ -71,6 +71,24 @@ def test_build_tree_matches_oracle(case):
     np.testing.assert_array_equal(np.asarray(tree_positions(got, prefix)), oracle.tree_positions(got, prefix))
 
 
+@pytest.mark.parametrize("budget, cap", [(8, None), (16, 4), (40, None)])
+def test_depths_of_certain_tokens_match_oracle(budget, cap):
+    """Depths where one token has probability 1 (its log-probability rounds to 0) make paths of different
+    depths tie; children must still follow their parents. With the inexact ``log`` of the suite's XLA
+    flags, an unclamped edge of +4.8e-7 put children first."""
+    rng = np.random.default_rng(5)
+    logits = rng.integers(-3, 3, (3, 6, 40)).astype(np.float32)
+    logits[:, 1::2] = -50.0
+    logits[:, 1::2, 7] = 50.0
+    lp = np.asarray(draft_log_probs(jnp.asarray(logits), 0.7))
+    assert lp.max() == 0.0 and np.all(lp[:, 1::2, 7] == 0.0)
+    roots = np.array([1, 2, 3])
+    got = build_tree(logits, roots, budget=budget, topk_cap=cap, draft_temperature=0.7)
+    assert_same_tree(got, oracle.build_tree(logits, roots, budget=budget, topk_cap=cap, draft_temperature=0.7))
+    parents = np.asarray(got.parents)
+    assert np.all(parents < np.arange(parents.shape[1]))
+
+
 @pytest.mark.parametrize("case", [(0, 2, 15, 50_000, 64, None, True), (1, 1, 15, 151_936, 16, None, False),
                                   (2, 3, 6, 3000, 40, 8, True), (3, 2, 4, 5, 30, None, False)])
 def test_build_with_the_staged_top_k_matches_oracle(case, monkeypatch):

@@ -6,7 +6,9 @@ DDTree round per budget, and each part of the round run alone under jit on the s
 forward, tree build + encoding, verify forward, verification/sampling, commit). Caches are
 zero-filled to the given context length: a round's cost does not depend on the cached values.
 ``--mesh-check`` also times the round under a one-device ``("dp", "tp")`` mesh next to the same
-round without one (both on the XLA attention path, which XLA partitions itself). ``--profile``
+round without one (both on the XLA attention path, which XLA partitions itself). ``--build-check``
+also times each round back to back with the XLA tree build, next to the one ``--build-impl`` chose.
+``--profile``
 traces the decode step and the first budget's round and sums their device ops by kind (matmuls,
 the Pallas kernels, data movement, the rest; `ddtree_jax.experiments.profiling`).
 Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree (each of ``--embedded-budgets``) on
@@ -49,6 +51,7 @@ ends in seconds on a CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -67,7 +70,7 @@ from ddtree_jax.models import (
     target_forward,
 )
 from ddtree_jax.sampling import coins_from_keys, request_keys
-from ddtree_jax.tree import build_tree_unchecked, tree_attention_mask, tree_positions
+from ddtree_jax.tree import tree_attention_mask, tree_positions
 
 SHAPES = {
     "qwen3-8b": dict(
@@ -252,7 +255,8 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
 
     @jax.jit
     def build(draft_logits, root):
-        tree = build_tree_unchecked(draft_logits, root, jnp.float32(1.0), budget=spec.budget, topk_cap=spec.topk_cap)
+        tree = kernels.tree_build_fn(spec.build_impl)(draft_logits, root, jnp.float32(1.0), budget=spec.budget,
+                                                      topk_cap=spec.topk_cap)
         return tree, tree_attention_mask(tree), tree_positions(tree, lengths)
 
     tree, mask, positions = build(draft_logits, state.root)
@@ -321,7 +325,8 @@ def bench_shapes(args, emit) -> None:
     on_cpu = jax.default_backend() == "cpu"  # no HBM: a bandwidth floor means nothing there
     if on_cpu:
         print("roofline n/a on a CPU", flush=True)
-    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl)
+    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
+                 build_impl=args.build_impl)
     rows, total = 0, len(args.batches) * len(args.contexts) * len(args.budgets)
     for batch in args.batches:
         sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
@@ -348,7 +353,8 @@ def bench_shapes(args, emit) -> None:
                 round_ms = median_ms(run, args.repeats)
                 round_b2b_ms = back_to_back_ms(run, args.repeats)
                 row = dict(batch=batch, context=context, budget=budget, attention_impl=spec.attention_impl,
-                           sampler_impl=spec.sampler_impl, decode_ms=decode_ms, round_ms=round_ms,
+                           sampler_impl=spec.sampler_impl, build_impl=spec.build_impl, decode_ms=decode_ms,
+                           round_ms=round_ms,
                            decode_back_to_back_ms=decode_b2b_ms, round_back_to_back_ms=round_b2b_ms,
                            decode_roofline_ms=decode_floor, round_floor_ms=round_floor, **parts,
                            decode_first_call_s=decode_first_s, round_first_call_s=round_first_s)
@@ -358,13 +364,20 @@ def bench_shapes(args, emit) -> None:
                 if args.profile and budget == args.budgets[0]:
                     for name, runner in (("decode", decode), ("round", run)):
                         try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
-                            row[f"profile_{name}"] = profiling.device_op_times(runner, calls=3)
+                            row[f"profile_{name}"] = profiling.device_op_times(runner, calls=3, top=args.profile_ops)
                         except Exception as e:  # noqa: BLE001
                             row[f"profile_{name}_error"] = repr(e)
                             print(f"  profile of the {name} failed: {e!r}", flush=True)
                             continue
                         print(f"  profile of the {name} (B={budget}):\n"
                               + profiling.format_summary(row[f"profile_{name}"]), flush=True)
+                if args.build_check and spec.build_impl != "xla":
+                    xla_build = dataclasses.replace(spec, build_impl="xla")
+                    row["round_xla_build_back_to_back_ms"] = back_to_back_ms(
+                        round_runner(target, drafter, xla_build, make_state(target, drafter, xla_build, batch, context),
+                                     sampling), args.repeats)
+                    print(f"  B={budget:4d}: round back to back {round_b2b_ms:.2f} ms, with the XLA tree build "
+                          f"{row['round_xla_build_back_to_back_ms']:.2f} ms", flush=True)
                 if args.mesh_check and budget == args.budgets[0]:
                     xla = engine.make_spec(target, drafter, "ddtree", budget, args.topk_cap or None, "xla",
                                            args.sampler_impl)
@@ -404,7 +417,8 @@ def bench_generate(args, emit) -> None:
     tokens/s, the time to the first streamed token (prefill and first round, warm), the jitted round
     alone and their ratio; and the prefill against its matmul-FLOP roofline."""
     target, drafter = make_models(args.shapes)
-    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl)
+    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
+                 build_impl=args.build_impl)
     methods = [("ar", 1), ("chain", 1)] + [("ddtree", b) for b in args.budgets]
     for batch in args.batches:
         sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
@@ -471,7 +485,7 @@ def bench_embedded(args, emit) -> None:
                     engine.generate, target, drafter, prompts[:batch], method=method, budget=budget,
                     topk_cap=args.topk_cap or None if method == "ddtree" else None,
                     temperature=temperature, draft_temperature=args.draft_temperature, with_expected=False,
-                    attention_impl=args.attention_impl, sampler_impl=args.sampler_impl)
+                    attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, build_impl=args.build_impl)
                 # generate times its rounds, not the compilation, but a first run can still be slow (on an
                 # H200 the first AR run of a process, batch 8: 10.7k tokens/s, 16.7k in another), so the second
                 generate(max_new_tokens=args.new_tokens)
@@ -539,6 +553,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tree-verify attention: the Pallas kernel on a supported GPU (auto) or XLA")
     p.add_argument("--sampler-impl", choices=["auto", "xla", "pallas"], default="auto",
                    help="tree sampling: the fused Pallas kernel on a supported GPU (auto) or the jnp path")
+    p.add_argument("--build-impl", choices=["auto", "xla", "pallas"], default="auto",
+                   help="the tree build's beam and global order: the Pallas kernel where measured faster (auto) or XLA")
     p.add_argument("--matmul-impl", choices=["auto", "xla", "pallas"], default="auto",
                    help="the projections: XLA (auto) or the Pallas skinny matmul")
     p.add_argument("--generate", action="store_true",
@@ -546,8 +562,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul rate of the prefill roofline")
     p.add_argument("--mesh-check", action="store_true",
                    help="also time the first budget's round under a one-device mesh vs without (XLA attention)")
+    p.add_argument("--build-check", action="store_true",
+                   help="also time each round back to back with the XLA tree build (--build-impl xla), for comparison")
     p.add_argument("--profile", action="store_true",
                    help="also trace the decode step and the first budget's round and sum their device ops")
+    p.add_argument("--profile-ops", type=int, default=15, help="ops kept per profile in the JSON, the longest first")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the roofline (accelerators), TB/s")
     p.add_argument("--repeats", type=int, help="warm calls per timing, their median reported " + preset("repeats"))
     p.add_argument("--embedded", action="store_true", help="also run part 2 on the embedded pair")
@@ -568,7 +587,7 @@ def run_from_args(args) -> int:
     checks.flags(args, [("temperature", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
                         ("top_k", lambda v: v >= 0, ">= 0"), ("topk_cap", lambda v: v >= 0, ">= 0"),
                         ("repeats", lambda v: v >= 1, ">= 1"), ("new_tokens", lambda v: v >= 1, ">= 1"),
-                        ("hbm_tbps", lambda v: v > 0, "> 0"),
+                        ("hbm_tbps", lambda v: v > 0, "> 0"), ("profile_ops", lambda v: v >= 1, ">= 1"),
                         ("draft_temperature", lambda v: math.isfinite(v) and v > 0, "finite and > 0")])
     device = jax.devices()[0].device_kind
     print(f"device {device}, jax {jax.__version__}", flush=True)

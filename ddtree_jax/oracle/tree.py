@@ -11,10 +11,10 @@ from ddtree_jax.oracle.types import Retrieve, Tree
 
 def draft_log_probs(logits_row, draft_temperature):
     """Float32 log-softmax of one ``[V]`` logits row at ``draft_temperature``, in the exact
-    operation order the tree construction uses."""
+    operation order the tree construction uses, at most 0 (an edge never adds mass)."""
     z = np.asarray(logits_row).astype(np.float32) / np.float32(draft_temperature)
     s = z - z.max()
-    return s - np.log(np.sum(np.exp(s)))
+    return np.minimum(s - np.log(np.sum(np.exp(s))), np.float32(0))
 
 
 def _build_one(logits_LV, root_token, budget, width, draft_temperature):
