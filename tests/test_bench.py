@@ -15,7 +15,8 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # XLA attention (what auto picks on a CPU) lets --mesh-check reuse the round compiled for B=4
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
-            "--mesh-check", "--build-check", "--profile", "--profile-ops", "4", "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
+            "--mesh-check", "--build-check", "--profile", "--profile-ops", "4",
+            "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
             "--top-k", "5", "--attention-impl", "xla", "--draft-temperature", "0.7", "--out", str(out)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
