@@ -15,7 +15,7 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # XLA attention (what auto picks on a CPU) lets --mesh-check reuse the round compiled for B=4
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
-            "--mesh-check", "--build-check", "--profile", "--profile-ops", "4",
+            "--mesh-check", "--build-check", "--profile", "--profile-ops", "4", "--hlo",
             "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
             "--top-k", "5", "--attention-impl", "xla", "--draft-temperature", "0.7", "--out", str(out)]
     assert cli.main(argv) == 0
@@ -42,6 +42,8 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     assert rows[0]["round_mesh1_ms"] > 0 and rows[0]["round_xla_ms"] > 0 and "round_mesh1_ms" not in rows[1]
     # the CPU records no device plane: the profiles are there and empty
     assert rows[0]["profile_round"] == rows[0]["profile_decode"] == {} and "profile_round" not in rows[1]
+    assert "fusion" in (tmp_path / "bench_round_b2_c16.hlo.txt").read_text()
+    assert "ENTRY" in (tmp_path / "bench_decode_b2_c16.hlo.txt").read_text()
     embedded = result["embedded"]
     assert [(r["temperature"], r["method"]) for r in embedded] == [
         (t, m) for t in (0.0, 1.0) for m in ("ar", "chain", "ddtree")]

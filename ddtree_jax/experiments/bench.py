@@ -226,7 +226,7 @@ def time_round(target, drafter, spec, state, sampling, repeats, mesh=None) -> fl
 
 def round_runner(target, drafter, spec, state, sampling, mesh=None):
     """A function that runs the engine's round once per call, threading the state through (see
-    `time_round`)."""
+    `time_round`). Its ``hlo()`` is the round's optimized HLO text (for reading a profile's op names)."""
     batch = state.root.shape[0]
     if mesh is not None:
         state = jax.device_put(state, sharding.state_shardings(state, mesh))
@@ -234,11 +234,13 @@ def round_runner(target, drafter, spec, state, sampling, mesh=None):
             jnp.array([-2], jnp.int32))
     step = functools.partial(engine.decode_round, spec=spec, max_new_tokens=10**6, with_expected=False, mesh=mesh)
     box = [state]
+    drafter = drafter if spec.method != "ar" else None
 
     def run():
-        box[0], out = step(target, drafter if spec.method != "ar" else None, box[0], *args)
+        box[0], out = step(target, drafter, box[0], *args)
         return out
 
+    run.hlo = lambda: step.func.lower(target, drafter, box[0], *args, **step.keywords).compile().as_text()
     return run
 
 
@@ -371,6 +373,10 @@ def bench_shapes(args, emit) -> None:
                             continue
                         print(f"  profile of the {name} (B={budget}):\n"
                               + profiling.format_summary(row[f"profile_{name}"]), flush=True)
+                        if args.hlo:
+                            path = args.out.with_name(f"{args.out.stem}_{name}_b{batch}_c{context}.hlo.txt")
+                            path.write_text(runner.hlo())
+                            print(f"  wrote {path}", flush=True)
                 if args.build_check and spec.build_impl != "xla":
                     xla_build = dataclasses.replace(spec, build_impl="xla")
                     row["round_xla_build_back_to_back_ms"] = back_to_back_ms(
@@ -566,6 +572,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time each round back to back with the XLA tree build (--build-impl xla), for comparison")
     p.add_argument("--profile", action="store_true",
                    help="also trace the decode step and the first budget's round and sum their device ops")
+    p.add_argument("--hlo", action="store_true",
+                   help="with --profile, also write each profiled program's optimized HLO next to the JSON")
     p.add_argument("--profile-ops", type=int, default=15, help="ops kept per profile in the JSON, the longest first")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the roofline (accelerators), TB/s")
     p.add_argument("--repeats", type=int, help="warm calls per timing, their median reported " + preset("repeats"))
