@@ -39,3 +39,13 @@ def test_bench_tree_build_rejects_bad_flags(tmp_path):
         bench_tree_build.main(["--budgets", "0", "--out", str(tmp_path / "x.json")])
     with pytest.raises(ValueError, match="--repeats"):
         bench_tree_build.main(["--repeats", "0", "--out", str(tmp_path / "x.json")])
+
+
+def test_bench_tree_build_topk_cap(tmp_path):
+    """With ``--topk-cap`` each depth keeps the cap's tokens, and the kernel still builds the XLA path's tree."""
+    out = tmp_path / "tree_build.json"
+    argv = ["--vocab", "512", "--depth", "3", "--budgets", "8", "--batches", "2", "--repeats", "1",
+            "--topk-cap", "2", "--out", str(out)]
+    assert bench_tree_build.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["topk_cap"], row["k"], row["kernel_equal"]) == (2, 2, True)

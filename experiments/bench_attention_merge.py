@@ -1,0 +1,120 @@
+"""A/B of the attention's split-K merge and split size inside the engine's rounds, in one process.
+
+At batch 1 the tree-attention kernel cuts the KV cache's capacity into many chunks (27 at a 5k-slot
+cache on an H200), and XLA merges their partial outputs in two fusions per layer (the running maxima
+and sums, then the weighted sum of the outputs fused with the pad of the output projection's rows).
+This script compiles the AR round (the decode step) and a DDTree round at Qwen3-8B shapes, random
+weights, once per variant, and times them back to back, the variants interleaved:
+
+  shipped        the merge and the split policy as they are
+  weights_first  the merge normalising the per-split weights on the small ``[J, M]`` statistics
+                 first, so that the output's fusion only multiplies and adds
+  chunk_<C>      the split policy's minimum chunk raised to C slots (fewer splits to merge)
+
+Prints a table and writes JSON. Off a GPU the attention is XLA's and every variant is the same program.
+
+    PYTHONPATH=. python3 experiments/bench_attention_merge.py --out experiments/results/bench_attention_merge.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ddtree_jax import engine  # noqa: E402
+from ddtree_jax.experiments import bench  # noqa: E402
+from ddtree_jax.experiments.provenance import command_line  # noqa: E402
+from pallas_kernels import configs, split_k, tree_attention  # noqa: E402
+
+
+def merge_weights_first(o_XJMD, m_XJM, l_XJM):
+    """`split_k.merge_splits` with the weights divided by the total sum before they scale the outputs."""
+    axis = m_XJM.ndim - 2
+    w_XJM = jnp.exp(m_XJM - jnp.expand_dims(m_XJM.max(axis=axis), axis))
+    l_XM = (w_XJM * l_XJM).sum(axis=axis)
+    w_XJM = w_XJM / jnp.expand_dims(jnp.where(l_XM > 0, l_XM, 1.0), axis)
+    return (w_XJM[..., None] * o_XJMD).sum(axis=axis)
+
+
+def compiled_round(target, drafter, spec, state, sampling):
+    """The engine's round compiled now (traced afresh), and a runner threading the state through."""
+    jax.clear_caches()
+    args = (sampling, jax.random.key(0), jnp.arange(state.root.shape[0], dtype=jnp.int32), jnp.float32(1.0),
+            jnp.array([-2], jnp.int32))
+    drafter = drafter if spec.method != "ar" else None
+    exe = engine.decode_round.lower(target, drafter, state, *args, spec=spec, max_new_tokens=10**6,
+                                    with_expected=False).compile()
+    box = [state]
+
+    def run():
+        box[0], out = exe(target, drafter, box[0], *args)
+        return out
+
+    return run
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--topk-cap", type=int, default=4)
+    ap.add_argument("--chunks", default="512", help="comma-separated minimum chunks to try")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
+    args = ap.parse_args(argv)
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    for name, value in (("context", args.context), ("budget", args.budget), ("repeats", args.repeats),
+                        *(("chunks", c) for c in chunks)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    if args.topk_cap < 0:
+        raise ValueError(f"--topk-cap must be >= 0, got {args.topk_cap}")
+    target, drafter = bench.make_models(args.shapes)
+    sampling = bench.constant_sampling(1, 1.0, 0, 1.0)
+    shipped_config = configs.tree_attention_config()
+    capability = configs.device_capability()
+    variants = [("shipped", None, None), ("weights_first", merge_weights_first, None)]
+    variants += [(f"chunk_{c}", None, c) for c in chunks]
+    runners = {}
+    for name, merge, chunk in variants:
+        tree_attention.merge_splits = merge or split_k.merge_splits
+        if chunk is not None and capability in configs.TREE_ATTENTION_CONFIGS:
+            configs.TREE_ATTENTION_CONFIGS[capability] = dataclasses.replace(shipped_config, min_chunk=chunk)
+        for method, budget in (("ar", 1), ("ddtree", args.budget)):
+            spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto", "auto",
+                                    build_impl="auto")
+            state = bench.make_state(target, drafter, spec, 1, args.context)
+            runners[name, method] = compiled_round(target, drafter, spec, state, sampling)
+            print(f"compiled {name} {method}", flush=True)
+        tree_attention.merge_splits = split_k.merge_splits
+        if capability in configs.TREE_ATTENTION_CONFIGS:
+            configs.TREE_ATTENTION_CONFIGS[capability] = shipped_config
+    times = {key: [] for key in runners}
+    for _ in range(args.repeats):
+        for key, run in runners.items():
+            times[key].append(bench.back_to_back_ms(run, 3))
+    rows = [dict(variant=name, method=method, back_to_back_ms=float(np.median(ms)), all_ms=ms)
+            for (name, method), ms in times.items()]
+    for row in rows:
+        print(f"{row['variant']:>14} {row['method']:>6}: {row['back_to_back_ms']:.3f} ms back to back", flush=True)
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                command=command_line(), settings={k: str(v) for k, v in vars(args).items()})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
