@@ -255,9 +255,10 @@ def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None
     return fused
 
 
-# ``auto`` builds trees of at most this many drafts with the tree-build kernel. Measured on an H200 in
-# one process (experiments/bench_tree_build.py, build + mask + positions in a loop, no cap, BENCHMARKS.md):
-# B = 16 0.157 -> 0.111 ms at batch 1 and 0.232 -> 0.201 ms at batch 8; B = 32 0.187 -> 0.437 ms.
+# ``auto`` builds trees of at most this many drafts with the tree-build kernel. Measured on an H200
+# (experiments/bench_tree_build.py, build + mask + positions in a loop, XLA against the kernel in one
+# process, BENCHMARKS.md): at batch 1, B = 16 0.157 -> 0.111 ms (cap 4: 0.182 -> 0.108), B = 4 and 8
+# with cap 4 0.155 -> 0.071 and 0.169 -> 0.076; B = 32 0.187 -> 0.437 ms (cap 4: 0.201 -> 0.276).
 TREE_KERNEL_MAX_BUDGET = 16
 
 
