@@ -49,8 +49,7 @@ def merge_weights_first(o_XJMD, m_XJM, l_XJM):
 def compiled_round(target, drafter, spec, state, sampling):
     """The engine's round compiled now (traced afresh), and a runner threading the state through."""
     jax.clear_caches()
-    args = (sampling, jax.random.key(0), jnp.arange(state.root.shape[0], dtype=jnp.int32), jnp.float32(1.0),
-            jnp.array([-2], jnp.int32))
+    args = bench.round_args(state.root.shape[0], sampling)
     drafter = drafter if spec.method != "ar" else None
     exe = engine.decode_round.lower(target, drafter, state, *args, spec=spec, max_new_tokens=10**6,
                                     with_expected=False).compile()

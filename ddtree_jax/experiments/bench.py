@@ -224,14 +224,19 @@ def time_round(target, drafter, spec, state, sampling, repeats, mesh=None) -> fl
     return median_ms(round_runner(target, drafter, spec, state, sampling, mesh), repeats)
 
 
+def round_args(batch: int, sampling) -> tuple:
+    """The arguments of `engine.decode_round` after the state, as the benchmarks pass them: ``sampling``,
+    key 0, request ids ``0..batch-1``, draft temperature 1 and no stop token."""
+    return (sampling, jax.random.key(0), jnp.arange(batch, dtype=jnp.int32), jnp.float32(1.0),
+            jnp.array([-2], jnp.int32))
+
+
 def round_runner(target, drafter, spec, state, sampling, mesh=None):
     """A function that runs the engine's round once per call, threading the state through (see
     `time_round`). Its ``hlo()`` is the round's optimized HLO text (for reading a profile's op names)."""
-    batch = state.root.shape[0]
     if mesh is not None:
         state = jax.device_put(state, sharding.state_shardings(state, mesh))
-    args = (sampling, jax.random.key(0), jnp.arange(batch, dtype=jnp.int32), jnp.float32(1.0),
-            jnp.array([-2], jnp.int32))
+    args = round_args(state.root.shape[0], sampling)
     step = functools.partial(engine.decode_round, spec=spec, max_new_tokens=10**6, with_expected=False, mesh=mesh)
     box = [state]
     drafter = drafter if spec.method != "ar" else None
