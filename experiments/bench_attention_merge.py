@@ -9,6 +9,8 @@ weights, once per variant, and times them back to back, the variants interleaved
   shipped        the merge and the split policy as they are
   weights_first  the merge normalising the per-split weights on the small ``[J, M]`` statistics
                  first, so that the output's fusion only multiplies and adds
+  by_length      each request's prefix cut into the splits by its length (equal chunks of whole key
+                 blocks) instead of the capacity into fixed chunks, of which a short prefix fills few
   chunk_<C>      the split policy's minimum chunk raised to C slots (fewer splits to merge)
 
 Prints a table and writes JSON. Off a GPU the attention is XLA's and every variant is the same program.
@@ -83,13 +85,14 @@ def main(argv=None) -> int:
     sampling = bench.constant_sampling(1, 1.0, 0, 1.0)
     shipped_config = configs.tree_attention_config()
     capability = configs.device_capability()
-    variants = [("shipped", None, None), ("weights_first", merge_weights_first, None)]
-    variants += [(f"chunk_{c}", None, c) for c in chunks]
+    variants = [("shipped", None, {}), ("weights_first", merge_weights_first, {}),
+                ("by_length", None, dict(split_by_length=True))]
+    variants += [(f"chunk_{c}", None, dict(min_chunk=c)) for c in chunks]
     runners = {}
-    for name, merge, chunk in variants:
+    for name, merge, fields in variants:
         tree_attention.merge_splits = merge or split_k.merge_splits
-        if chunk is not None and capability in configs.TREE_ATTENTION_CONFIGS:
-            configs.TREE_ATTENTION_CONFIGS[capability] = dataclasses.replace(shipped_config, min_chunk=chunk)
+        if capability in configs.TREE_ATTENTION_CONFIGS:
+            configs.TREE_ATTENTION_CONFIGS[capability] = dataclasses.replace(shipped_config, **fields)
         for method, budget in (("ar", 1), ("ddtree", args.budget)):
             spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto", "auto",
                                     build_impl="auto")

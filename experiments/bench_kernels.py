@@ -55,12 +55,13 @@ from pallas_kernels.tree_sampling import SamplerConfig
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 VOCAB, DRAFT_DEPTH = 151_936, 15
 QWEN3_8B_WEIGHT_BYTES = 16.4e9
-# Tilings of the sweep part: m<block_m>k<block_k>w<warps>s<stages>, optionally p<min_programs>
-# and c<min_chunk>; fields left out come from the local GPU's table entry (sm_90: p512 c128).
+# Tilings of the sweep part: m<block_m>k<block_k>w<warps>s<stages>, optionally p<min_programs>,
+# c<min_chunk> and l<0|1> (split_by_length); fields left out come from the local GPU's table entry
+# (sm_90: p512 c128 l0).
 SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128k128w8s2",
                  "m64k64w4s3p528")
 _SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages",
-                 "p": "min_programs", "c": "min_chunk"}
+                 "p": "min_programs", "c": "min_chunk", "l": "split_by_length"}
 # (temperature, top_k, top_p). T2.5_p0.9: flat rows whose sub-block maxima confine no candidates (the
 # whole-GPU floor passes); T1_k1000: 256 < candidates <= capacity (the register search of a larger
 # tile); T2_p0.99: kept sets beyond the capacity (streamed in the walk).
@@ -77,18 +78,16 @@ def tree_mask(num_nodes: int) -> np.ndarray:
     return mask
 
 
-def attention_shapes(batch, nodes, context, dtype=jnp.bfloat16):
-    slots = context + nodes
+def attention_shapes(batch, nodes, context, slots, dtype=jnp.bfloat16):
     s = jax.ShapeDtypeStruct
     return (s((batch, nodes, HEADS, HEAD_DIM), dtype), s((batch, KV_HEADS, slots, HEAD_DIM), dtype),
             s((batch, KV_HEADS, slots, HEAD_DIM), dtype), s((batch,), jnp.int32),
             s((batch, nodes, nodes), jnp.bool_))
 
 
-def attention_inputs(batch, nodes, context, dtype=jnp.bfloat16, seed=0):
-    """Random q and cache of ``context + nodes`` slots, lengths = context, a tree mask."""
+def attention_inputs(batch, nodes, context, slots, dtype=jnp.bfloat16, seed=0):
+    """Random q and cache of ``slots >= context + nodes`` slots, lengths = context, a tree mask."""
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    slots = context + nodes
     q = jax.random.normal(kq, (batch, nodes, HEADS, HEAD_DIM), dtype)
     k = jax.random.normal(kk, (batch, KV_HEADS, slots, HEAD_DIM), dtype)
     v = jax.random.normal(kv, (batch, KV_HEADS, slots, HEAD_DIM), dtype)
@@ -97,7 +96,8 @@ def attention_inputs(batch, nodes, context, dtype=jnp.bfloat16, seed=0):
     return q, k, v, lengths, mask
 
 
-def attention_bytes(batch, nodes, context, dtype=jnp.bfloat16) -> int:
+def attention_bytes(batch, nodes, context, slots, dtype=jnp.bfloat16) -> int:
+    del slots  # the slots past the tree are not read
     item = jnp.dtype(dtype).itemsize
     kv = 2 * batch * KV_HEADS * (context + nodes) * HEAD_DIM * item
     return kv + 2 * batch * nodes * HEADS * HEAD_DIM * item
@@ -179,7 +179,7 @@ def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8, repea
     for shape in within_budget(shapes, budget_s):
         args = attention_inputs(*shape)
         nbytes = attention_bytes(*shape)
-        row = dict(batch=shape[0], nodes=shape[1], context=shape[2], bytes=nbytes)
+        row = dict(batch=shape[0], nodes=shape[1], context=shape[2], slots=shape[3], bytes=nbytes)
         runs = {}
         for name in impls:
             exe = compiled[(shape, name)]
@@ -206,7 +206,7 @@ def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8, repea
 
 
 def format_attention_row(row, names):
-    cells = [f"B={row['batch']:>2} N={row['nodes']:>3} ctx={row['context']:>6}"]
+    cells = [f"B={row['batch']:>2} N={row['nodes']:>3} ctx={row['context']:>6} slots={row['slots']:>6}"]
     for name in names:
         r = row.get(name, {})
         cells.append(f"{name} {r['ms']:8.3f} ms {r['gbs']:6.0f} GB/s" if "ms" in r else f"{name} n/a")
@@ -351,9 +351,11 @@ def format_sampling_row(row, names):
 
 def sweep_config(text: str) -> TreeAttentionConfig:
     """``"m64k128w4s2c1024"`` -> that tiling; fields left out keep the local table entry's values."""
-    if re.fullmatch(r"(?:[mkwspc]\d+)+", text) is None:
-        raise SystemExit(f"--sweep-configs: {text!r} is not like m64k64w4s3[p528][c1024]")
-    values = {_SWEEP_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspc])(\d+)", text)}
+    if re.fullmatch(r"(?:[mkwspc]\d+|l[01])+", text) is None:
+        raise SystemExit(f"--sweep-configs: {text!r} is not like m64k64w4s3[p528][c1024][l1]")
+    values = {_SWEEP_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspcl])(\d+)", text)}
+    if "split_by_length" in values:
+        values["split_by_length"] = bool(values["split_by_length"])
     return dataclasses.replace(configs.tree_attention_config(), **values)
 
 
@@ -389,10 +391,14 @@ def main(argv=None):
     parser.add_argument("--nodes", default="16,64,256")
     parser.add_argument("--contexts", default="1024,4096,16384,32768,65536")
     parser.add_argument("--sweep-contexts", default="16384")
+    parser.add_argument("--capacity", type=int, default=0,
+                        help="attention, sweep: cache slots per request, at least context + nodes (0: exactly "
+                             "that); the engine's cache holds the prompt and every new token, so a decoding "
+                             "step's context is shorter than its cache")
     parser.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
                         help="tilings for the sweep part, m<block_m>k<block_k>w<warps>s<stages>"
-                             "[p<min_programs>][c<min_chunk>], left-out fields from the GPU's table entry; "
-                             "'xla' adds the XLA path (and each tiling's speedup over it)")
+                             "[p<min_programs>][c<min_chunk>][l<0|1>: split_by_length], left-out fields from "
+                             "the GPU's table entry; 'xla' adds the XLA path (and each tiling's speedup over it)")
     parser.add_argument("--sampling-cases", default="64:1,64:8,64:64,256:1,256:16,1024:1,1024:4",
                         help="budget:batch pairs")
     parser.add_argument("--vocab", type=int, default=VOCAB)
@@ -444,7 +450,8 @@ def main(argv=None):
                            report=report, profile=args.profile, baseline=baseline, repeats=args.repeats)
             continue
         contexts = ints(args.contexts if part == "attention" else args.sweep_contexts)
-        shapes = [(b, n, c) for b in ints(args.batches) for n in ints(args.nodes) for c in contexts]
+        shapes = [(b, n, c, max(args.capacity, c + n)) for b in ints(args.batches) for n in ints(args.nodes)
+                  for c in contexts]
         if part == "attention":
             available = {
                 "pallas": functools.partial(tree_attention, scale=scale, config=configs.tree_attention_config()),

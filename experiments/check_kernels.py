@@ -4,7 +4,8 @@ The CPU tests run the same kernels in interpret mode; this script runs the compi
 device, over shapes too large for the CPU.
 
 - ``attention``: the Triton kernel (and with ``--backends triton,mosaic`` the Mosaic GPU kernel,
-  Hopper only) against the reference: contexts up to 64k, up to 512 tree nodes, GQA groups 1/4/8,
+  Hopper only; ``triton_by_length``: the Triton kernel with the prefix split by each request's length)
+  against the reference: contexts up to 64k, up to 512 tree nodes, GQA groups 1/4/8,
   head_dim 64/128, bf16 and fp32, batch up to 32, ragged lengths and padding nodes. The Mosaic GPU
   kernel skips the fp32 cases (it takes bf16/fp16 only). The reference runs with float32 matmuls
   at full precision. Stacked cases put a case's cache in the last layer of an all-layers cache.
@@ -42,6 +43,7 @@ device, over shapes too large for the CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import time
@@ -379,8 +381,11 @@ def check_attention(backends=("triton",), cases=ATTENTION_CASES, stacked=STACKED
 
 def attention_kernel(backend: str):
     """The attention kernel a ``--backends`` name stands for: ``triton`` (the local GPU's config),
-    ``mosaic`` (Hopper), or either run by its interpreter (``interpret``, ``mosaic_interpret``)."""
+    ``triton_by_length`` (that config with ``split_by_length``), ``mosaic`` (Hopper), or either run by its
+    interpreter (``interpret``, ``mosaic_interpret``)."""
+    by_length = lambda: dataclasses.replace(tree_attention_config(), split_by_length=True)  # noqa: E731
     return {"triton": lambda: functools.partial(tree_attention, config=tree_attention_config()),
+            "triton_by_length": lambda: functools.partial(tree_attention, config=by_length()),
             "mosaic": lambda: tree_attention_mgpu,
             "interpret": lambda: functools.partial(tree_attention, interpret=True),
             "mosaic_interpret": lambda: functools.partial(tree_attention_mgpu, interpret=True)}[backend]()
@@ -409,12 +414,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
     parser.add_argument("--backends", default="triton",
-                        help="comma-separated tree-attention backends to check: triton, mosaic")
+                        help="comma-separated tree-attention backends to check: triton, triton_by_length, mosaic")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     args = parser.parse_args(argv)
     backends = tuple(args.backends.split(","))
-    if not set(backends) <= {"triton", "mosaic"}:
-        raise ValueError(f"--backends must list triton and/or mosaic, got {args.backends!r}")
+    if not set(backends) <= {"triton", "triton_by_length", "mosaic"}:
+        raise ValueError(f"--backends must list triton, triton_by_length and/or mosaic, got {args.backends!r}")
     parts = args.parts.split(",")
     if not set(parts) <= set(PARTS):
         raise ValueError(f"--parts must list some of {PARTS}, got {args.parts!r}")

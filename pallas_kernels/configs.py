@@ -55,6 +55,10 @@ class TreeAttentionConfig:
     Triton software-pipelining depth.
     ``min_programs``: the prefix is split (split-K) until the grid has at least this many
     programs. ``min_chunk``: no split covers fewer than this many prefix slots.
+    ``split_by_length``: cut each request's prefix ``[0, length)`` into the splits, in chunks of
+    ``ceil(length / splits)`` slots rounded up to whole key blocks, rather than the cache's capacity
+    into fixed chunks (of which a short prefix fills only the first few); the number of splits, and so
+    the merge, is the same either way.
     ``smem_bytes``: shared memory a program may use; fewer stages are launched where the query
     block and ``num_stages`` K/V blocks would not fit (float32 operands at 128-row blocks).
     ``measured``: whether the entry was tuned on that hardware.
@@ -67,6 +71,7 @@ class TreeAttentionConfig:
     min_programs: int = 256
     min_chunk: int = 512
     smem_bytes: int = 99 * 1024
+    split_by_length: bool = False
     measured: bool = False
 
     def __post_init__(self):
@@ -166,6 +171,7 @@ class MatmulPolicy:
     num_stages: int = 3
     min_programs: int = 256
     smem_bytes: int = 99 * 1024
+    split_by_length: bool = False
     measured: bool = False
 
 

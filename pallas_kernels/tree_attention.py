@@ -8,8 +8,10 @@ The Pallas kernel (Triton lowering) works per (request, KV head):
   fills the rows of a matrix-unit tile and each K/V block is read once per group. The program
   gathers its rows from ``q`` and scatters its outputs into the ``[B, N, H, D]`` layout itself,
   and reads the tree mask rows of its nodes, so a call with one split is a single kernel;
-- **split-K**: the prefix ``[0, lengths[b])`` is cut into static chunks, one program each,
-  so that small batches still fill the GPU; chunks past the request's length do no work;
+- **split-K**: the prefix ``[0, lengths[b])`` is cut into chunks, one program each, so that
+  small batches still fill the GPU: the cache's capacity in static chunks (those past the
+  request's length do no work) or, with ``config.split_by_length``, the request's length in
+  equal chunks of whole key blocks;
   the partial results are merged afterwards with their softmax residuals (running max and
   sum, flash-decoding style);
 - **tree part**: the program whose chunk holds the end of the prefix also visits the new
@@ -113,8 +115,15 @@ def _attend(q_MD, k_ref, v_ref, start, key_ok_T, visible_MT, carry, *, scale, pr
     return o_MD, m_new_M, alpha_M * l_M + p_MT.sum(axis=1)
 
 
+def _chunk(length, plan: _Plan, block_k):
+    """Slots per split when ``[0, length)`` is cut into ``plan.num_splits`` chunks of whole key blocks
+    (at least one block, at most ``plan.chunk``)."""
+    blocks = lax.div(jnp.maximum(length, 1) + block_k - 1, jnp.int32(block_k))
+    return lax.div(blocks + plan.num_splits - 1, jnp.int32(plan.num_splits)) * block_k
+
+
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: _Plan,
-            group, num_new, block_k, precision):
+            group, num_new, block_k, split_by_length, precision):
     """Program (row block, split, b, kv head): its prefix chunk, and the tree if it owns it.
 
     ``q_ref``/``out_refs``: the request's ``[N * H, D]`` rows (row ``i * H + h``); packed row
@@ -136,8 +145,9 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
     carry = (jnp.zeros((plan.block_m, head_dim), jnp.float32),
              jnp.full((plan.block_m,), _NEG, jnp.float32), jnp.zeros((plan.block_m,), jnp.float32))
 
-    lo = split * plan.chunk
-    hi = jnp.minimum(lo + plan.chunk, length)
+    chunk = _chunk(length, plan, block_k) if split_by_length else jnp.int32(plan.chunk)
+    lo = split * chunk
+    hi = jnp.minimum(lo + chunk, length)
 
     def prefix_step(t, carry):
         start = lo + t * block_k
@@ -153,7 +163,7 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
         visible = plt.load(mask_ref.at[node_M[:, None], jnp.minimum(cols, num_new - 1)[None, :]])
         return attend(length + t * plan.block_t, key_ok, key_ok[None, :] & visible, carry)
 
-    owner = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), plan.chunk), plan.num_splits - 1)
+    owner = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), chunk), plan.num_splits - 1)
     # select, not jnp.where: a where between two Python ints lowers to an i1 loop bound.
     num_tree_blocks = lax.select(split == owner, jnp.int32(plan.new_pad // plan.block_t),
                                  jnp.int32(0))
@@ -183,7 +193,7 @@ def _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, lengths_B, mask_BNM, *, sca
     grid = (plan.rows_pad // plan.block_m, plan.num_splits, batch, num_kv)
     exact = q_BNHD.dtype == jnp.float32
     kernel = functools.partial(_kernel, scale=scale, plan=plan, group=group, num_new=num_new,
-                               block_k=config.block_k,
+                               block_k=config.block_k, split_by_length=config.split_by_length,
                                precision=lax.Precision.HIGHEST if exact else None)
     in_specs = [
         pl.BlockSpec((None,), lambda r, j, b, h: (b,)),

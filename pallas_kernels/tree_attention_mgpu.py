@@ -10,8 +10,9 @@ packed queries, prefix split, request, KV head):
   of ``config.num_stages`` buffers, the next block loading while the current one is used);
   per block, ``S = Q K^T`` and ``O += P V`` are two wgmmas and the softmax is flash-style
   online (running max and sum in float32);
-- **split-K**: the full 64-slot blocks of the prefix ``[0, lengths[b])`` are cut into static
-  chunks, one program each; they need no mask. The partial results are merged afterwards
+- **split-K**: the full 64-slot blocks of the prefix ``[0, lengths[b])`` are cut into chunks,
+  one program each (static chunks of the capacity or, with ``config.split_by_length``, equal
+  chunks of the request's blocks); they need no mask. The partial results are merged afterwards
   with their softmax residuals (running max and sum), in jnp;
 - **tail window**: the last program of each request also visits ``window`` slots starting at
   the last full prefix block: the prefix remainder (< 64 slots) and the tree keys at
@@ -181,6 +182,7 @@ class _Static:
     plan: _Plan
     scale: float
     num_buffers: int
+    split_by_length: bool
     # The JAX 0.10 interpreter applies neither transposed wgmma operands nor layout casts: it
     # gets the keys already transposed ([B, K, D, S], a copy the compiled kernel avoids) and
     # skips the casts, which do not change values.
@@ -238,8 +240,11 @@ def _kernel(lengths_ref, starts_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, m_ref
              cast(jnp.zeros((BLOCK,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
     plgpu.barrier_wait(q_bar)
 
-    first = split * plan.chunk_blocks
-    num_full = jnp.clip(lax.div(lengths_ref[b], BLOCK) - first, 0, plan.chunk_blocks)
+    full_blocks = lax.div(lengths_ref[b], BLOCK)
+    chunk_blocks = (jnp.maximum(lax.div(full_blocks + plan.num_splits - 1, jnp.int32(plan.num_splits)), 1)
+                    if static.split_by_length else plan.chunk_blocks)
+    first = split * chunk_blocks
+    num_full = jnp.clip(full_blocks - first, 0, chunk_blocks)
     carry = _stream(num_full, static.num_buffers,
                     lambda i, buffer: fetch_kv((first + i) * BLOCK, buffer), prefix_block, carry)
     num_window = lax.select(split == plan.num_splits - 1, jnp.int32(plan.window // BLOCK),
@@ -323,7 +328,7 @@ def _tree_attention_mgpu(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, 
                 jax.ShapeDtypeStruct(split_shape, jnp.float32),
                 jax.ShapeDtypeStruct(split_shape, jnp.float32))
     num_buffers = max(2, config.num_stages)
-    static = _Static(plan, scale, num_buffers, interpret)
+    static = _Static(plan, scale, num_buffers, config.split_by_length, interpret)
     kernel = plgpu.kernel(
         functools.partial(_kernel, static=static), out_type=out_type,
         scratch_types=_scratch(head_dim, q_BNHD.dtype, num_buffers, keys_transposed=interpret),

@@ -64,7 +64,7 @@ def kernel_supports(budget: int, k: int, depth: int) -> bool:
     return _pow2(len(beam_pairs(budget, k)[0])) <= MAX_CANDIDATES
 
 
-def tree_nodes(lp_BLK, tok_BLK, *, budget: int, interpret: bool = False):
+def tree_nodes(lp_BLK, tok_BLK, *, budget: int, num_warps: int = 4, interpret: bool = False):
     """Nodes 1..``budget`` of each request's tree in pop order: ``(tokens, parents, depths [B, budget]
     int32, logw [B, budget] float32)``, padding ``0, -1, 0, -inf``; parents are node indices (the root
     is node 0, which the caller prepends).
@@ -74,6 +74,8 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, interpret: bool = False):
         (``-inf`` where a depth has fewer than ``K`` tokens).
       tok_BLK: int32 ``[batch, L, K]`` their token ids (ties by lower id first).
       budget: nodes besides the root; `kernel_supports` must hold.
+      num_warps: Triton warps per program (1 to 16, a power of two): the lanes that share a depth's
+        pairwise count.
       interpret: run in the Pallas interpreter.
     """
     if jnp.ndim(lp_BLK) != 3:
@@ -84,12 +86,14 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, interpret: bool = False):
     if not kernel_supports(budget, k, depth):
         raise ValueError(f"the tree-build kernel does not take budget {budget} with k {k} and depth {depth} "
                          f"(kernel_supports)")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
     return _tree_nodes(jnp.asarray(lp_BLK, jnp.float32), jnp.asarray(tok_BLK, jnp.int32), budget=int(budget),
-                       interpret=bool(interpret))
+                       num_warps=int(num_warps), interpret=bool(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "interpret"))
-def _tree_nodes(lp_BLK, tok_BLK, *, budget, interpret):
+@functools.partial(jax.jit, static_argnames=("budget", "num_warps", "interpret"))
+def _tree_nodes(lp_BLK, tok_BLK, *, budget, num_warps, interpret):
     batch, depth, k = lp_BLK.shape
     depth2, k2 = _pow2(depth), _pow2(k)
     pair_i, pair_r = beam_pairs(budget, k)
@@ -109,7 +113,7 @@ def _tree_nodes(lp_BLK, tok_BLK, *, budget, interpret):
     return pl.pallas_call(
         kernel, grid=(batch,), in_specs=[row_spec, row_spec, pair_spec, pair_spec], out_specs=[out_spec] * 4,
         out_shape=[ints, ints, ints, jax.ShapeDtypeStruct((batch, budget), jnp.float32)],
-        interpret=interpret, name="tree_build", compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="tree_build", compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
     )(lp, tok, jnp.asarray(pair_i), jnp.asarray(pair_r))
 
 

@@ -32,7 +32,7 @@ def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path):
     assert bench_attention_merge.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["method"]) for r in rows] == [
-        (v, m) for v in ("shipped", "weights_first", "chunk_256") for m in ("ar", "ddtree")]
+        (v, m) for v in ("shipped", "weights_first", "by_length", "chunk_256") for m in ("ar", "ddtree")]
     assert all(r["back_to_back_ms"] > 0 for r in rows)
     assert tree_attention.merge_splits is split_k.merge_splits and configs.TREE_ATTENTION_CONFIGS == before
 

@@ -49,3 +49,16 @@ def test_bench_tree_build_topk_cap(tmp_path):
     assert bench_tree_build.main(argv) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["topk_cap"], row["k"], row["kernel_equal"]) == (2, 2, True)
+
+
+def test_bench_tree_build_kernel_warps(tmp_path):
+    """``--kernel-warps`` times the kernel at other warp counts; every count builds the same tree."""
+    out = tmp_path / "tree_build.json"
+    argv = ["--vocab", "512", "--depth", "3", "--budgets", "8", "--batches", "1", "--repeats", "1",
+            "--kernel-warps", "2,8", "--out", str(out)]
+    assert bench_tree_build.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["kernel_w2_equal"] is True and row["kernel_w8_equal"] is True
+    assert row["beam_kernel_w2_ms"] > 0 and row["beam_kernel_w8_ms"] > 0
+    with pytest.raises(ValueError, match="--kernel-warps"):
+        bench_tree_build.main(["--kernel-warps", "3", "--out", str(tmp_path / "x.json")])

@@ -1,5 +1,6 @@
 """Tree-attention kernel vs the jnp reference (interpret mode on CPU) and its Triton lowering."""
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -13,11 +14,12 @@ from pallas_kernels import configs
 from pallas_kernels.configs import TreeAttentionConfig
 from pallas_kernels.lowering import verified_triton_modules
 from pallas_kernels.tree_attention_reference import tree_attention_reference
-from pallas_kernels.tree_attention import _plan, _tree_attention_pallas, tree_attention
+from pallas_kernels.tree_attention import _chunk, _plan, _tree_attention_pallas, tree_attention
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 
 # Small tiles so that CPU-sized problems exercise several splits, row blocks and tree blocks.
 SMALL = TreeAttentionConfig(block_m=16, block_k=16, min_programs=64, min_chunk=16)
+BY_LENGTH = dataclasses.replace(SMALL, split_by_length=True)
 
 
 def random_tree_mask(rng, num_nodes, num_real):
@@ -68,8 +70,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("config", [SMALL, configs.TREE_ATTENTION_CONFIGS[(9, 0)]],
-                         ids=["small", "sm90"])
+@pytest.mark.parametrize("config", [SMALL, BY_LENGTH, configs.TREE_ATTENTION_CONFIGS[(9, 0)]],
+                         ids=["small", "small_by_length", "sm90"])
 @pytest.mark.parametrize("seed", range(len(CASES)),
                          ids=[f"B{c[0]}N{c[1]}H{c[2]}K{c[3]}D{c[4]}S{c[5]}" for c in CASES])
 def test_interpret_matches_reference(seed, config):
@@ -172,7 +174,8 @@ def test_invalid_arguments(kwargs, match):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("config", [*configs.TREE_ATTENTION_CONFIGS.values(), SMALL])
+@pytest.mark.parametrize("config", [*configs.TREE_ATTENTION_CONFIGS.values(), SMALL,
+                                    dataclasses.replace(configs.TREE_ATTENTION_CONFIGS[(9, 0)], split_by_length=True)])
 def test_lowers_to_valid_triton_ir(dtype, config):
     """Each kernel variant lowers to Triton IR that the MLIR verifier accepts (no GPU needed)."""
     for num_q, slots in ((16, 4096), (40, 300)):
@@ -201,6 +204,18 @@ def test_plan_covers_the_cache(batch, rows, slots):
     plan = _plan(batch, 8, rows, 16, slots, configs.tree_attention_config((9, 0)))
     assert plan.num_splits * plan.chunk >= slots > (plan.num_splits - 1) * plan.chunk
     assert plan.rows_pad % plan.block_m == 0 and plan.rows_pad >= rows
+
+
+@pytest.mark.parametrize("length, chunk, filled", [(0, 64, 1), (1, 64, 1), (64, 64, 1), (65, 64, 2),
+                                                   (1000, 64, 16), (1024, 64, 16), (4000, 192, 21),
+                                                   (5122, 192, 27)])
+def test_chunks_by_length(length, chunk, filled):
+    """A 5,122-slot cache at batch 1 is cut into 27 splits of 192 slots; cut by length, a 1k prefix
+    fills 16 splits of one 64-slot key block (rather than 6 of 192), and a full cache all 27."""
+    plan = _plan(1, 8, 4, 16, 5122, configs.TREE_ATTENTION_CONFIGS[(9, 0)])
+    assert (plan.num_splits, plan.chunk) == (27, 192)
+    got = int(_chunk(jnp.int32(length), plan, 64))
+    assert (got, -(-max(length, 1) // got)) == (chunk, filled)
 
 
 def test_config_lookup():
@@ -236,8 +251,9 @@ def test_benchmark_sweep_configs():
         block_m=64, block_k=128, num_warps=4, num_stages=2, min_programs=base.min_programs,
         min_chunk=1024, smem_bytes=base.smem_bytes, measured=base.measured)
     assert sweep_config("p528").min_programs == 528
+    assert sweep_config("m128l1").split_by_length is True and sweep_config("l0").split_by_length is False
     assert all(isinstance(sweep_config(name), TreeAttentionConfig) for name in SWEEP_CONFIGS)
-    for bad in ("m64x3", "fast", ""):
+    for bad in ("m64x3", "fast", "", "l2"):
         with pytest.raises(SystemExit, match="sweep-configs"):
             sweep_config(bad)
     with pytest.raises(ValueError, match="block_m"):
@@ -252,9 +268,10 @@ def test_benchmark_times_every_implementation_in_each_round():
 
     impls = {"pallas": lambda *a: tree_attention(*a, scale=0.1, interpret=True, config=SMALL),
              "xla": lambda *a: tree_attention_reference(*a, scale=0.1)}
-    [row] = bench_attention([(1, 4, 16)], impls, peak_gbs=1.0, budget_s=60.0, report=lambda r: None,
+    [row] = bench_attention([(1, 4, 16, 48)], impls, peak_gbs=1.0, budget_s=60.0, report=lambda r: None,
                             chain=2, repeats=3)
     assert all(len(row[name]["rounds_ms"]) == 3 and row[name]["ms"] > 0 for name in impls)
+    assert (row["slots"], row["bytes"]) == (48, 2 * 8 * 20 * 128 * 2 + 2 * 4 * 32 * 128 * 2)
     ratios = np.divide(row["xla"]["rounds_ms"], row["pallas"]["rounds_ms"])
     assert row["pallas_speedup"] == pytest.approx(float(np.median(ratios)))
     assert "xla_speedup" not in row

@@ -1,5 +1,7 @@
 """Mosaic GPU tree-attention kernel vs the jnp reference, in the Mosaic GPU interpreter (CPU)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,11 +34,13 @@ CASES = [
     (2, 5, 2, 2, 64, 100, [95, 3], 1, jnp.bfloat16, HOPPER),
     # group 4 over two row blocks, head_dim 128, float16, one split
     (2, 20, 8, 2, 128, 300, [260, 17], 3, jnp.float16, HOPPER),
+    # the first case with the prefix cut into equal chunks of each request's blocks
+    (3, 9, 4, 1, 64, 200, [0, 150, 64], 2, jnp.bfloat16, dataclasses.replace(SPLIT, split_by_length=True)),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}N{c[1]}H{c[2]}K{c[3]}D{c[4]}S{c[5]}"
-                                               for c in CASES])
+                                               + ("_by_length" if c[9].split_by_length else "") for c in CASES])
 def test_interpret_matches_reference(case):
     batch, num_q, heads, kv_heads, head_dim, slots, lengths, padding, dtype, config = case
     args = make_inputs(len(lengths) + num_q, batch=batch, num_q=num_q, heads=heads,

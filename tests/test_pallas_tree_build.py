@@ -72,10 +72,12 @@ def test_reference_equals_library_beyond_the_kernel(budget, k):
     assert_equal_nodes(tree_nodes_reference(lp, ids, budget=budget), library_nodes(lp, ids, budget))
 
 
-@pytest.mark.parametrize("budget, k, depth", [(16, 16, 15), (16, 4, 15), (32, 32, 15), (2, 1, 1)])
-def test_triton_lowering_verifies(budget, k, depth):
+@pytest.mark.parametrize("budget, k, depth, warps", [(16, 16, 15, 4), (16, 4, 15, 4), (32, 32, 15, 4),
+                                                     (32, 32, 15, 16), (2, 1, 1, 1)])
+def test_triton_lowering_verifies(budget, k, depth, warps):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
-    (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget), *shapes)
+    (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, num_warps=warps),
+                                        *shapes)
     assert "tt.reduce" in module
 
 
@@ -94,6 +96,8 @@ def test_bad_input_raises_clear_errors():
         tree_nodes(lp, ids[:, :2], budget=4)
     with pytest.raises(ValueError, match=r"lp_BLK must be \[batch, L, K\]"):
         tree_nodes(lp[0], ids[0], budget=4)
+    with pytest.raises(ValueError, match="num_warps must be"):
+        tree_nodes(lp, ids, budget=4, num_warps=3)
 
 
 def test_gpu_equality_script_tree_build_part_runs_interpreted(monkeypatch):
