@@ -84,7 +84,9 @@ def test_sweep_prices_every_call_and_projects_tokens_per_s(tmp_path):
         if cell["method"] == "ddtree":
             assert cell["expected_per_node"] == pytest.approx(cell["expected"] / cell["verified"])
     written = plot.plot_csv(out)
-    assert (tmp_path / "policies_budget_policies.png").stat().st_size > 1000 and len(written) == 2 + len(plot.FIGURES)
+    assert (tmp_path / "policies_budget_policies.png").stat().st_size > 1000 and len(written) == 3 + len(plot.FIGURES)
+    changes = plot.policy_changes(rows)
+    assert [(c["budget_policy"], c["calls"]) for c in changes] == [("adaptive", 2), ("batch", 2)]
     with pytest.raises(ValueError, match="cost_table"):  # the adaptive policy's tokens depend on the table
         run_sweep(grid, dataclasses.replace(settings, cost_table="device"), out)
 

@@ -98,8 +98,9 @@ def test_invalid_arguments(kwargs, match):
                                                          **kwargs})
 
 
-@pytest.mark.parametrize("dtype, head_dim, num_q", [(jnp.bfloat16, 128, 16), (jnp.float16, 64, 40)])
-def test_compiled_variant_lowers_to_mosaic_gpu(dtype, head_dim, num_q):
+@pytest.mark.parametrize("dtype, head_dim, num_q, by_length", [
+    (jnp.bfloat16, 128, 16, False), (jnp.float16, 64, 40, False), (jnp.bfloat16, 128, 16, True)])
+def test_compiled_variant_lowers_to_mosaic_gpu(dtype, head_dim, num_q, by_length):
     """The GPU path (transposed key tiles, layout casts) passes the Pallas -> Mosaic GPU lowering.
 
     The lowering runs without a GPU; it checks layouts and wgmma operands (it rejects, e.g.,
@@ -108,7 +109,8 @@ def test_compiled_variant_lowers_to_mosaic_gpu(dtype, head_dim, num_q):
     shapes = [((2, num_q, 32, head_dim), dtype), ((2, 8, 4096, head_dim), dtype),
               ((2, 8, 4096, head_dim), dtype), ((2,), jnp.int32), ((2, num_q, num_q), jnp.bool_)]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-    fn = jax.jit(lambda *a: _tree_attention_mgpu(*a, scale=0.1, config=HOPPER, interpret=False))
+    config = dataclasses.replace(HOPPER, split_by_length=by_length)
+    fn = jax.jit(lambda *a: _tree_attention_mgpu(*a, scale=0.1, config=config, interpret=False))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 

@@ -10,7 +10,7 @@ import pytest
 
 from ddtree_jax import cli
 from ddtree_jax.experiments import plot, sweep
-from ddtree_jax.experiments.stats import paired_bootstrap_diff
+from ddtree_jax.experiments.stats import paired_bootstrap_change, paired_bootstrap_diff
 from ddtree_jax.experiments.sweep import COLUMNS, Grid, Settings, cell_of, grid_cells, read_rows, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ def test_tiny_sweep_resumes_and_plots(tmp_path, monkeypatch):
             "--top-ps", "1", "--top-ks", "0", "--draft-temperatures", "1", "--prompts", "2", "--prompt-tokens", "16",
             "--new-tokens", "6", "--batch", "2", "--dtype", "float32"]
     assert cli.main(argv) == 0
-    assert (out.parent / "sweep_cells.csv").is_file() and (out.parent / "sweep_tempering.csv").is_file()
+    assert all((out.parent / f"sweep_{name}.csv").is_file() for name in ("cells", "tempering", "policy_changes"))
     assert all((out.parent / f"sweep_{name}.png").stat().st_size > 1000 for name in plot.FIGURES)
     runs = json.loads(out.with_suffix(".json").read_text())["runs"]
     assert (runs[-1]["cells_skipped"], runs[-1]["cells_run"]) == (2, 2)
@@ -113,9 +113,9 @@ def test_tiny_sweep_resumes_and_plots(tmp_path, monkeypatch):
         run_sweep(grid, dataclasses.replace(settings, new_tokens=7), out)
 
     written = plot.plot_csv(out, tmp_path / "figures")
-    assert [p.name for p in written] == ["sweep_cells.csv", "sweep_tempering.csv"] + [
+    assert [p.name for p in written] == ["sweep_cells.csv", "sweep_tempering.csv", "sweep_policy_changes.csv"] + [
         f"sweep_{name}.png" for name in plot.FIGURES]
-    assert all(p.stat().st_size > 1000 for p in written[2:])
+    assert all(p.stat().st_size > 1000 for p in written[3:])
     cells = plot.summarise(final)
     assert {cell_of(c) for c in cells} == {cell_of(r) for r in final} and len(cells) == 4
     for cell in cells:
@@ -138,6 +138,39 @@ def test_paired_bootstrap_difference():
     assert diff == pytest.approx(12 / rounds.sum()) and lo < diff < hi and lo > 0
     with pytest.raises(ValueError, match="one shape"):
         paired_bootstrap_diff(rounds, rounds, rounds[:3], rounds[:3])
+
+
+def test_paired_bootstrap_change():
+    rounds = np.array([10.0, 20.0, 5.0, 8.0])
+    assert paired_bootstrap_change(3 * rounds, rounds, 2 * rounds, rounds) == (0.5, 0.5, 0.5)
+    rng = np.random.default_rng(1)
+    accepted, verified = rounds * (1 + rng.random(4)), rounds * 16
+    change, lo, hi = paired_bootstrap_change(accepted * 1.1, verified, accepted, verified)
+    assert change == pytest.approx(0.1) and lo == pytest.approx(0.1) and hi == pytest.approx(0.1)
+    change, lo, hi = paired_bootstrap_change(accepted + rng.random(4), verified, accepted, verified)
+    assert lo < change < hi
+    with pytest.raises(ValueError, match="one shape"):
+        paired_bootstrap_change(rounds, rounds, rounds[:3], rounds[:3])
+
+
+def test_policy_changes_pair_calls_of_a_batch():
+    """Two calls of two prompts: accepted per verified draft 12 / 64 under batch-global against 10 / 64
+    under fixed (+20%), expected 6 / 64 against 8 / 64 (-25%); AR and cells without a fixed twin are left out."""
+    def rows(policy, accepted, expected, budget=16, method="ddtree"):
+        cell = dict(method=method, budget=budget, topk_cap=0, temperature=1.0, top_p=1.0, top_k=0,
+                    draft_temperature=1.0, budget_policy=policy, batch=2)
+        return [dict(cell, prompt=i, emitted=a + 4, rounds=4, expected_accepted=e / 4, mean_tree_size=5.0)
+                for i, (a, e) in enumerate(zip(accepted, expected))]
+
+    table = plot.policy_changes(rows("fixed", [1, 2, 3, 4], [2, 2, 2, 2]) + rows("batch", [2, 2, 4, 4], [1, 2, 1, 2])
+                                + rows("batch", [1, 1, 1, 1], [1, 1, 1, 1], budget=32)
+                                + rows("fixed", [1, 1, 1, 1], [1, 1, 1, 1], budget=0, method="ar"))
+    assert len(table) == 1
+    row = table[0]
+    assert (row["budget"], row["budget_policy"], row["calls"]) == (16, "batch", 2)
+    assert (row["accepted_per_node_fixed"], row["accepted_per_node"]) == (10 / 64, 12 / 64)
+    assert row["accepted_change"] == pytest.approx(0.2) and row["expected_change"] == pytest.approx(-0.25)
+    assert row["accepted_change_lo"] <= row["accepted_change"] <= row["accepted_change_hi"]
 
 
 def test_tempering_table_pairs_prompts():

@@ -14,7 +14,10 @@
   and the projected tokens/s (from the ``model_ms`` column) vs the budget, a line per budget policy;
 - ``NAME_tempering.csv``: for every DDTree cell at a temperature 0 < T != 1 (no truncation) that
   also ran with draft temperature T, tau(draft temperature 1) - tau(draft temperature T) with a
-  paired 95% bootstrap interval (same prompts and coins in both cells).
+  paired 95% bootstrap interval (same prompts and coins in both cells);
+- ``NAME_policy_changes.csv``: for every DDTree cell of the ``adaptive`` or ``batch`` budget policy that
+  also ran under ``fixed``, the relative change of accepted (and of expected accepted) drafts per
+  verified draft, with paired 95% bootstrap intervals over ``generate`` calls.
 
 Every figure but ``_budget_policies`` shows the fixed budget policy only.
 
@@ -31,7 +34,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ddtree_jax.experiments.stats import bootstrap_ci, paired_bootstrap_diff
+from ddtree_jax.experiments.stats import bootstrap_ci, paired_bootstrap_change, paired_bootstrap_diff
 from ddtree_jax.experiments.sweep import CELL_FIELDS, cell_of, read_rows
 
 BASE = dict(top_p=1.0, top_k=0, draft_temperature=1.0, budget_policy="fixed")
@@ -275,6 +278,33 @@ def tempering(rows: list[dict], *, seed: int = 0) -> list[dict]:
     return out
 
 
+def policy_changes(rows: list[dict], *, seed: int = 0) -> list[dict]:
+    """Each DDTree cell of a budget policy other than ``fixed`` against the same cell under ``fixed``: the
+    relative change of accepted and of expected accepted drafts per verified draft, with paired 95%
+    bootstrap intervals. The units resampled are ``generate`` calls (prompts ``// batch``): under
+    ``budget_policy="batch"`` the requests of one call share its budget, so they are not independent."""
+    calls: dict = {}
+    for row in rows:
+        per_call = calls.setdefault(cell_of(row), {}).setdefault(row["prompt"] // row["batch"], np.zeros(3))
+        per_call += (row["emitted"] - row["rounds"], row["expected_accepted"] * row["rounds"],
+                     (row["mean_tree_size"] - 1) * row["rounds"])
+    out = []
+    for cell, policy in sorted(calls.items()):
+        fixed = calls.get(dataclasses.replace(cell, budget_policy="fixed"))
+        if cell.method != "ddtree" or cell.budget_policy == "fixed" or not fixed:
+            continue
+        shared = sorted(set(policy) & set(fixed))
+        a, b = (np.array([side[c] for c in shared]) for side in (policy, fixed))
+        accepted = paired_bootstrap_change(a[:, 0], a[:, 2], b[:, 0], b[:, 2], seed=seed)
+        expected = paired_bootstrap_change(a[:, 1], a[:, 2], b[:, 1], b[:, 2], seed=seed)
+        out.append(dict(
+            {f: getattr(cell, f) for f in CELL_FIELDS}, calls=len(shared),
+            accepted_per_node_fixed=b[:, 0].sum() / b[:, 2].sum(), accepted_per_node=a[:, 0].sum() / a[:, 2].sum(),
+            accepted_change=accepted[0], accepted_change_lo=accepted[1], accepted_change_hi=accepted[2],
+            expected_change=expected[0], expected_change_lo=expected[1], expected_change_hi=expected[2]))
+    return out
+
+
 def write_table(table: list[dict], path: Path) -> None:
     """A list of same-keyed dicts as CSV (a header only when empty)."""
     with open(path, "w", newline="") as f:
@@ -284,8 +314,8 @@ def write_table(table: list[dict], path: Path) -> None:
 
 
 def plot_csv(csv_path: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """``NAME_cells.csv``, ``NAME_tempering.csv`` and the five ``NAME_*.png`` figures of the sweep CSV
-    ``csv_path``."""
+    """``NAME_cells.csv``, ``NAME_tempering.csv``, ``NAME_policy_changes.csv`` and the five ``NAME_*.png``
+    figures of the sweep CSV ``csv_path``."""
     csv_path = Path(csv_path)
     rows = read_rows(csv_path)
     if not rows:
@@ -293,9 +323,10 @@ def plot_csv(csv_path: str | Path, out_dir: str | Path | None = None) -> list[Pa
     out_dir = csv_path.parent if out_dir is None else Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarise(rows)
-    written = [out_dir / f"{csv_path.stem}_cells.csv", out_dir / f"{csv_path.stem}_tempering.csv"]
+    written = [out_dir / f"{csv_path.stem}_{name}.csv" for name in ("cells", "tempering", "policy_changes")]
     write_table(summary, written[0])
     write_table(tempering(rows), written[1])
+    write_table(policy_changes(rows), written[2])
     for name, make in FIGURES.items():
         fig = make(summary)
         written.append(out_dir / f"{csv_path.stem}_{name}.png")

@@ -42,9 +42,23 @@ def paired_bootstrap_diff(num_a, den_a, num_b, den_b, *, draws=2000, seed=0) -> 
     prompt, same coins); the bootstrap resamples prompts jointly, so the shared prompt-to-prompt
     variation cancels. Returns ``(difference, lo, hi)``.
     """
-    arrays = [np.asarray(x, np.float64) for x in (num_a, den_a, num_b, den_b)]
-    if len({x.shape for x in arrays}) != 1 or arrays[0].ndim != 1:
-        raise ValueError(f"need four [prompts] arrays of one shape, got {[x.shape for x in arrays]}")
+    arrays = _paired(num_a, den_a, num_b, den_b)
     na, da, nb, db = _resampled_sums(arrays, draws, seed)
     diff = arrays[0].sum() / arrays[1].sum() - arrays[2].sum() / arrays[3].sum()
     return (float(diff), *_interval(na / da - nb / db))
+
+
+def paired_bootstrap_change(num_a, den_a, num_b, den_b, *, draws=2000, seed=0) -> tuple[float, float, float]:
+    """Relative change of pooled ratios ``(A / B) - 1`` measured on the same units (prompts, or calls
+    of a batch), and its 95% interval, the units resampled jointly as in `paired_bootstrap_diff`."""
+    arrays = _paired(num_a, den_a, num_b, den_b)
+    na, da, nb, db = _resampled_sums(arrays, draws, seed)
+    change = (arrays[0].sum() / arrays[1].sum()) / (arrays[2].sum() / arrays[3].sum()) - 1
+    return (float(change), *_interval((na / da) / (nb / db) - 1))
+
+
+def _paired(*arrays) -> list[np.ndarray]:
+    arrays = [np.asarray(x, np.float64) for x in arrays]
+    if len({x.shape for x in arrays}) != 1 or arrays[0].ndim != 1:
+        raise ValueError(f"need four [prompts] arrays of one shape, got {[x.shape for x in arrays]}")
+    return arrays
