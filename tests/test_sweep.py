@@ -155,22 +155,31 @@ def test_paired_bootstrap_change():
 
 def test_policy_changes_pair_calls_of_a_batch():
     """Two calls of two prompts: accepted per verified draft 12 / 64 under batch-global against 10 / 64
-    under fixed (+20%), expected 6 / 64 against 8 / 64 (-25%); AR and cells without a fixed twin are left out."""
-    def rows(policy, accepted, expected, budget=16, method="ddtree"):
+    under fixed (+20%), expected 6 / 64 against 8 / 64 (-25%), projected tokens/s 28 / 20 ms against
+    26 / 20 ms (+1/13) and against the best fixed budget, 32: 36 / 20 ms (-2/9); AR and cells without a
+    fixed twin are left out."""
+    def rows(policy, accepted, expected, budget=16, method="ddtree", model_ms=10.0):
         cell = dict(method=method, budget=budget, topk_cap=0, temperature=1.0, top_p=1.0, top_k=0,
                     draft_temperature=1.0, budget_policy=policy, batch=2)
-        return [dict(cell, prompt=i, emitted=a + 4, rounds=4, expected_accepted=e / 4, mean_tree_size=5.0)
-                for i, (a, e) in enumerate(zip(accepted, expected))]
+        return [dict(cell, prompt=i, emitted=a + 4, rounds=4, expected_accepted=e / 4, mean_tree_size=5.0,
+                     model_ms=model_ms) for i, (a, e) in enumerate(zip(accepted, expected))]
 
     table = plot.policy_changes(rows("fixed", [1, 2, 3, 4], [2, 2, 2, 2]) + rows("batch", [2, 2, 4, 4], [1, 2, 1, 2])
-                                + rows("batch", [1, 1, 1, 1], [1, 1, 1, 1], budget=32)
+                                + rows("fixed", [5, 5, 5, 5], [1, 1, 1, 1], budget=32)
+                                + rows("batch", [1, 1, 1, 1], [1, 1, 1, 1], budget=64)
                                 + rows("fixed", [1, 1, 1, 1], [1, 1, 1, 1], budget=0, method="ar"))
     assert len(table) == 1
     row = table[0]
-    assert (row["budget"], row["budget_policy"], row["calls"]) == (16, "batch", 2)
+    assert (row["budget"], row["budget_policy"], row["calls"], row["best_fixed_budget"]) == (16, "batch", 2, 32)
     assert (row["accepted_per_node_fixed"], row["accepted_per_node"]) == (10 / 64, 12 / 64)
     assert row["accepted_change"] == pytest.approx(0.2) and row["expected_change"] == pytest.approx(-0.25)
-    assert row["accepted_change_lo"] <= row["accepted_change"] <= row["accepted_change_hi"]
+    assert row["projected_change"] == pytest.approx(1 / 13)
+    assert row["projected_change_vs_best_fixed"] == pytest.approx(-2 / 9)
+    for name in ("accepted_change", "projected_change", "projected_change_vs_best_fixed"):
+        assert row[f"{name}_lo"] <= row[name] <= row[f"{name}_hi"]
+    no_costs = plot.policy_changes(rows("fixed", [1, 2], [1, 1], model_ms=0.0) + rows("batch", [2, 2], [1, 1],
+                                                                                     model_ms=0.0))
+    assert np.isnan(no_costs[0]["projected_change"]) and no_costs[0]["accepted_change"] == pytest.approx(4 / 3 - 1)
 
 
 def test_tempering_table_pairs_prompts():

@@ -17,7 +17,8 @@
   paired 95% bootstrap interval (same prompts and coins in both cells);
 - ``NAME_policy_changes.csv``: for every DDTree cell of the ``adaptive`` or ``batch`` budget policy that
   also ran under ``fixed``, the relative change of accepted (and of expected accepted) drafts per
-  verified draft, with paired 95% bootstrap intervals over ``generate`` calls.
+  verified draft and of projected tokens/s, and the projected tokens/s against the best fixed budget,
+  with paired 95% bootstrap intervals over ``generate`` calls.
 
 Every figure but ``_budget_policies`` shows the fixed budget policy only.
 
@@ -280,28 +281,45 @@ def tempering(rows: list[dict], *, seed: int = 0) -> list[dict]:
 
 def policy_changes(rows: list[dict], *, seed: int = 0) -> list[dict]:
     """Each DDTree cell of a budget policy other than ``fixed`` against the same cell under ``fixed``: the
-    relative change of accepted and of expected accepted drafts per verified draft, with paired 95%
-    bootstrap intervals. The units resampled are ``generate`` calls (prompts ``// batch``): under
-    ``budget_policy="batch"`` the requests of one call share its budget, so they are not independent."""
-    calls: dict = {}
+    relative change of accepted and of expected accepted drafts per verified draft, and of projected
+    tokens/s (emitted tokens over the calls' ``model_ms``), each with a paired 95% bootstrap interval; and
+    the projected tokens/s against the best fixed budget of the same settings (``best_fixed_budget``).
+    The units resampled are ``generate`` calls (prompts ``// batch``): under ``budget_policy="batch"`` the
+    requests of one call share its budget, so they are not independent."""
+    calls: dict = {}  # cell -> call -> [accepted, expected accepted, verified, emitted, model_ms]
     for row in rows:
-        per_call = calls.setdefault(cell_of(row), {}).setdefault(row["prompt"] // row["batch"], np.zeros(3))
-        per_call += (row["emitted"] - row["rounds"], row["expected_accepted"] * row["rounds"],
-                     (row["mean_tree_size"] - 1) * row["rounds"])
+        per_call = calls.setdefault(cell_of(row), {}).setdefault(row["prompt"] // row["batch"], np.zeros(5))
+        per_call[:4] += (row["emitted"] - row["rounds"], row["expected_accepted"] * row["rounds"],
+                         (row["mean_tree_size"] - 1) * row["rounds"], row["emitted"])
+        per_call[4] = row["model_ms"]  # the call's modelled time, on each of its rows
+
+    def change(name, policy, fixed, num, den):
+        shared = sorted(set(policy) & set(fixed))
+        a, b = (np.array([side[c] for c in shared]) for side in (policy, fixed))
+        if not b[:, den].sum() or not a[:, den].sum():
+            return {name: float("nan"), f"{name}_lo": float("nan"), f"{name}_hi": float("nan")}
+        value, lo, hi = paired_bootstrap_change(a[:, num], a[:, den], b[:, num], b[:, den], seed=seed)
+        return {name: value, f"{name}_lo": lo, f"{name}_hi": hi}
+
+    def projected(cell_calls):
+        total = np.sum(list(cell_calls.values()), axis=0)
+        return total[3] / total[4] if total[4] else float("nan")
+
     out = []
     for cell, policy in sorted(calls.items()):
         fixed = calls.get(dataclasses.replace(cell, budget_policy="fixed"))
         if cell.method != "ddtree" or cell.budget_policy == "fixed" or not fixed:
             continue
-        shared = sorted(set(policy) & set(fixed))
-        a, b = (np.array([side[c] for c in shared]) for side in (policy, fixed))
-        accepted = paired_bootstrap_change(a[:, 0], a[:, 2], b[:, 0], b[:, 2], seed=seed)
-        expected = paired_bootstrap_change(a[:, 1], a[:, 2], b[:, 1], b[:, 2], seed=seed)
+        fixed_budgets = {c.budget: c_calls for c, c_calls in calls.items()
+                         if c == dataclasses.replace(cell, budget_policy="fixed", budget=c.budget)}
+        best = max(fixed_budgets, key=lambda budget: np.nan_to_num(projected(fixed_budgets[budget]), nan=-1.0))
+        total_a, total_b = (np.sum(list(side.values()), axis=0) for side in (policy, fixed))
         out.append(dict(
-            {f: getattr(cell, f) for f in CELL_FIELDS}, calls=len(shared),
-            accepted_per_node_fixed=b[:, 0].sum() / b[:, 2].sum(), accepted_per_node=a[:, 0].sum() / a[:, 2].sum(),
-            accepted_change=accepted[0], accepted_change_lo=accepted[1], accepted_change_hi=accepted[2],
-            expected_change=expected[0], expected_change_lo=expected[1], expected_change_hi=expected[2]))
+            {f: getattr(cell, f) for f in CELL_FIELDS}, calls=len(set(policy) & set(fixed)),
+            accepted_per_node_fixed=total_b[0] / total_b[2], accepted_per_node=total_a[0] / total_a[2],
+            **change("accepted_change", policy, fixed, 0, 2), **change("expected_change", policy, fixed, 1, 2),
+            **change("projected_change", policy, fixed, 3, 4), best_fixed_budget=best,
+            **change("projected_change_vs_best_fixed", policy, fixed_budgets[best], 3, 4)))
     return out
 
 
