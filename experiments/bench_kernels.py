@@ -3,8 +3,9 @@
 - ``attention``: tree attention (32 query heads, 8 KV heads, head_dim 128, bf16), the Triton
   kernel vs the models' XLA attention (``--impls`` adds the Mosaic GPU kernel and
   ``jax.nn.dot_product_attention`` with a mask), for N tree nodes, a committed context and a
-  batch. Achieved HBM bandwidth counts the bytes the call must move: K/V of the prefix and the
-  tree for every KV head, queries and outputs.
+  batch, in a cache of ``context + N`` slots or ``--capacity`` (as the engine's cache, sized for the
+  prompt and every new token). Achieved HBM bandwidth counts the bytes the call must move: K/V of
+  the prefix and the tree for every KV head, queries and outputs.
 - ``sweep``: candidate tilings (``--sweep-configs``, by default ``SWEEP_CONFIGS``) on a few
   shapes (how the measured config table entry is chosen).
 - ``sampling``: fused tree sampling vs the jnp path (``verify_from_coins``) for V = 151,936,
