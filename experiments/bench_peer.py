@@ -57,7 +57,7 @@ def random_weights(cfg, device, dtype=torch.bfloat16) -> dict:
 def weights_from(target) -> dict:
     """Our target's weights (untied) in the ``[out, in]`` layout of `random_weights`, on the CPU."""
     def t(x, transpose=True):
-        array = torch.from_numpy(np.asarray(x, np.float32))
+        array = torch.from_numpy(np.array(x, np.float32))  # a writable copy: a view of a jax array is read-only
         return array.T.contiguous() if transpose else array
 
     p = target.params
