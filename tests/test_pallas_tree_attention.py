@@ -135,6 +135,17 @@ def test_gpu_equality_script_attention_checks_run_interpreted():
     assert [(r["layers"], r["ok"]) for r in records] == [(None, True), (3, True)], records
 
 
+def test_gpu_equality_script_backends_name_their_configs():
+    """`check_kernels.py --backends triton_by_length` checks the local entry with the prefix split by length."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.check_kernels import attention_kernel
+
+    plain, by_length = attention_kernel("triton"), attention_kernel("triton_by_length")
+    assert plain.func is by_length.func is tree_attention
+    assert by_length.keywords["config"] == dataclasses.replace(plain.keywords["config"], split_by_length=True)
+    assert not plain.keywords["config"].split_by_length
+
+
 def test_stale_cache_slots_are_ignored():
     """Slots past ``lengths + M`` must not change the output."""
     q, k, v, lengths, mask = make_inputs(3, batch=2, num_q=6, heads=2, kv_heads=1, head_dim=16,
