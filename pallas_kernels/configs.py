@@ -171,7 +171,6 @@ class MatmulPolicy:
     num_stages: int = 3
     min_programs: int = 256
     smem_bytes: int = 99 * 1024
-    split_by_length: bool = False
     measured: bool = False
 
 
