@@ -54,7 +54,7 @@ from ddtree_jax.tree import (  # noqa: E402
     tree_positions,
 )
 from experiments.common import median_ms  # noqa: E402
-from pallas_kernels.tree_build import kernel_supports, tree_nodes  # noqa: E402
+from pallas_kernels.tree_build import WARPS, kernel_supports, tree_nodes  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 LOOP_STEPS = 20
@@ -172,8 +172,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     budgets, batches = parse_ints("budgets", args.budgets), parse_ints("batches", args.batches)
     kernel_warps = parse_ints("kernel-warps", args.kernel_warps) if args.kernel_warps else []
-    if not set(kernel_warps) <= {1, 2, 4, 8, 16}:
-        raise ValueError(f"--kernel-warps must list powers of two from 1 to 16, got {args.kernel_warps!r}")
+    if not set(kernel_warps) <= set(WARPS):
+        raise ValueError(f"--kernel-warps must list warp counts of {WARPS}, got {args.kernel_warps!r}")
     if args.topk_cap < 0:
         raise ValueError(f"--topk-cap must be >= 0, got {args.topk_cap}")
     for name in ("vocab", "depth", "repeats"):

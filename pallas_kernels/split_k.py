@@ -1,13 +1,15 @@
 """Split-K over a KV-cache prefix, shared by the attention kernels.
 
-The prefix is cut into static chunks, one program each, so that a small batch still fills the
-GPU; each program returns its unnormalised output with its running softmax max and sum, and
+The prefix is cut into chunks, one program each, so that a small batch still fills the GPU: static
+chunks of the capacity (`split_count`), or equal chunks of a request's length (`blocks_per_split`,
+``split_by_length``); each program returns its unnormalised output with its running softmax max and sum, and
 `merge_splits` combines them (flash-decoding style).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.configs import TreeAttentionConfig
 
@@ -20,6 +22,12 @@ def split_count(programs: int, num_slots: int, config: TreeAttentionConfig) -> i
     """Split-K factor: enough programs for ``config.min_programs``, chunks of at least
     ``config.min_chunk`` slots."""
     return max(1, min(-(-config.min_programs // programs), num_slots // config.min_chunk))
+
+
+def blocks_per_split(blocks, num_splits: int):
+    """Key blocks per split when ``blocks`` (a traced count) are cut into ``num_splits`` equal chunks:
+    ``ceil(blocks / num_splits)``, at least one (``split_by_length``)."""
+    return jnp.maximum(lax.div(blocks + num_splits - 1, jnp.int32(num_splits)), 1)
 
 
 def merge_splits(o_XJMD, m_XJM, l_XJM):

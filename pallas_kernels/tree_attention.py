@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.configs import TreeAttentionConfig
-from pallas_kernels.split_k import merge_splits, round_up, split_count
+from pallas_kernels.split_k import blocks_per_split, merge_splits, round_up, split_count
 from pallas_kernels.tree_attention_reference import check_shapes, stacked
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -118,8 +118,8 @@ def _attend(q_MD, k_ref, v_ref, start, key_ok_T, visible_MT, carry, *, scale, pr
 def _chunk(length, plan: _Plan, block_k):
     """Slots per split when ``[0, length)`` is cut into ``plan.num_splits`` chunks of whole key blocks
     (at least one block, at most ``plan.chunk``)."""
-    blocks = lax.div(jnp.maximum(length, 1) + block_k - 1, jnp.int32(block_k))
-    return lax.div(blocks + plan.num_splits - 1, jnp.int32(plan.num_splits)) * block_k
+    blocks = lax.div(length + block_k - 1, jnp.int32(block_k))
+    return blocks_per_split(blocks, plan.num_splits) * block_k
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: _Plan,

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.configs import MOSAIC_TREE_ATTENTION_CONFIGS, TreeAttentionConfig
-from pallas_kernels.split_k import merge_splits, round_up, split_count
+from pallas_kernels.split_k import blocks_per_split, merge_splits, round_up, split_count
 from pallas_kernels.tree_attention_reference import check_shapes, stacked
 
 BLOCK = 64  # rows per program and keys per block: the wgmma M and a 128-byte bf16 row
@@ -241,8 +241,7 @@ def _kernel(lengths_ref, starts_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, m_ref
     plgpu.barrier_wait(q_bar)
 
     full_blocks = lax.div(lengths_ref[b], BLOCK)
-    chunk_blocks = (jnp.maximum(lax.div(full_blocks + plan.num_splits - 1, jnp.int32(plan.num_splits)), 1)
-                    if static.split_by_length else plan.chunk_blocks)
+    chunk_blocks = blocks_per_split(full_blocks, plan.num_splits) if static.split_by_length else plan.chunk_blocks
     first = split * chunk_blocks
     num_full = jnp.clip(full_blocks - first, 0, chunk_blocks)
     carry = _stream(num_full, static.num_buffers,

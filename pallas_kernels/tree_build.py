@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plt
 MAX_BUDGET = 32
 MAX_CANDIDATES = 128  # a depth's candidates, padded to a power of two: a 128 x 128 count per depth
 MAX_DEPTH = 16
+WARPS = (1, 2, 4, 8, 16)  # warp counts `tree_nodes` launches with
 
 
 def _pow2(n: int) -> int:
@@ -86,8 +87,8 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, num_warps: int = 4, interpret: b
     if not kernel_supports(budget, k, depth):
         raise ValueError(f"the tree-build kernel does not take budget {budget} with k {k} and depth {depth} "
                          f"(kernel_supports)")
-    if num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+    if num_warps not in WARPS:
+        raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
     return _tree_nodes(jnp.asarray(lp_BLK, jnp.float32), jnp.asarray(tok_BLK, jnp.int32), budget=int(budget),
                        num_warps=int(num_warps), interpret=bool(interpret))
 
