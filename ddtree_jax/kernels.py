@@ -36,7 +36,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
 The tree build (``build_impl``): its beam and global order are the tree-build kernel, one program per
 request, on a supported GPU without a mesh for budgets of at most `TREE_KERNEL_MAX_BUDGET` drafts that
 the kernel takes (powers of two; 16 is the CLI's default), XLA's ops elsewhere (``ddtree_jax.tree``):
-on an H200 the kernel built B = 16 trees 30% faster and B = 32 trees more than twice slower.
+on an H200 the kernel built B = 16 trees 30% faster and B = 32 trees more than twice slower with its
+launch of then (one count tile, the count order). ``pallas`` runs it at every budget it takes (up to
+64), with `tree_build.tree_build_config`'s launch.
 
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
@@ -265,9 +267,10 @@ TREE_KERNEL_MAX_BUDGET = 16
 def tree_build_fn(impl: str, mesh: Mesh | None = None):
     """Step 2 of a round for ``impl`` (see the module docstring): ``fn(draft_logits_BLV, root_B,
     draft_temperature, *, budget, topk_cap) -> DraftTree``, the tree of `tree.build_tree_unchecked`
-    for every implementation. The kernel (`pallas_kernels.tree_build`, one program per request) does
-    the beam and the global order of the shapes it takes (`tree_build.kernel_supports`, decided when
-    traced), for ``"auto"`` only up to `TREE_KERNEL_MAX_BUDGET` drafts; the vocabulary top-k before it
+    for every implementation. The kernel (`pallas_kernels.tree_build`, one program per request, the
+    launch of `tree_build.tree_build_config`) does the beam and the global order of the shapes it takes
+    (`tree_build.kernel_supports`, decided when traced), for ``"auto"`` only up to
+    `TREE_KERNEL_MAX_BUDGET` drafts; the vocabulary top-k before it
     is XLA's. Under a mesh the XLA path runs (the kernel is not wrapped in ``shard_map``)."""
     impl = check_impl("build_impl", impl)
     if _reference_only(impl, mesh):

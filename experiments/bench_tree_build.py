@@ -16,9 +16,10 @@ budget B (``--topk-cap``, default none, so K = B):
   beam_kernel   = ``beam`` by the Pallas tree-build kernel (`pallas_kernels.tree_build`, budgets it
                   takes; interpreted off a GPU), and ``kernel_in_loop`` the ``full_in_loop`` build
                   with it (``build_impl="pallas"``, `kernels.tree_build_fn`); ``kernel_equal`` says
-                  whether its tree equals the XLA path's on this device; ``--kernel-warps 8,16``
-                  adds ``beam_kernel_w<n>`` (and ``kernel_w<n>_equal``): the kernel with n warps a
-                  program rather than the library's 4
+                  whether its tree equals the XLA path's on this device; ``--kernel-variants
+                  w16,w8c32m`` adds ``beam_kernel_<variant>`` (and ``kernel_<variant>_equal``): the
+                  kernel with another launch (`parse_variant`: warps, candidates a count tile, the
+                  merge order) than the library's (`tree_build.tree_build_config`)
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
 device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -54,7 +56,7 @@ from ddtree_jax.tree import (  # noqa: E402
     tree_positions,
 )
 from experiments.common import median_ms  # noqa: E402
-from pallas_kernels.tree_build import WARPS, kernel_supports, tree_nodes  # noqa: E402
+from pallas_kernels.tree_build import TreeBuildConfig, kernel_supports, tree_build_config, tree_nodes  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 LOOP_STEPS = 20
@@ -85,9 +87,9 @@ def beam(lp_BLK, tok_BLK, roots, *, budget):
     return jax.vmap(functools.partial(tree_from_top_k, budget=budget, count_max=count_max))(lp_BLK, tok_BLK, roots)
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "num_warps"))
-def beam_kernel(lp_BLK, tok_BLK, roots, *, budget, num_warps=4):
-    nodes = tree_nodes(lp_BLK, tok_BLK, budget=budget, num_warps=num_warps, interpret=KERNEL_IMPL == "interpret")
+@functools.partial(jax.jit, static_argnames=("budget", "config"))
+def beam_kernel(lp_BLK, tok_BLK, roots, *, budget, config):
+    nodes = tree_nodes(lp_BLK, tok_BLK, budget=budget, config=config, interpret=KERNEL_IMPL == "interpret")
     return tree_from_nodes(roots, *nodes, max_depth=lp_BLK.shape[1])
 
 
@@ -96,9 +98,9 @@ def encodings(tree, roots):
     return tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
 
 
-def time_row(draft_logits, budget, topk_cap, repeats, kernel_warps=()) -> dict:
-    """Every column of one (batch, budget) row, in ms (``topk_cap``: None or the per-depth cap; ``kernel_warps``:
-    the kernel's other warp counts to time)."""
+def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=()) -> dict:
+    """Every column of one (batch, budget) row, in ms (``topk_cap``: None or the per-depth cap;
+    ``kernel_variants``: the kernel's other launches to time, `parse_variant` names)."""
     drafts = jnp.stack([draft_logits, draft_logits[:, ::-1], -draft_logits, draft_logits[:, :, ::-1]])
     batch, depth, vocab = draft_logits.shape
     k = top_k_width(budget, topk_cap, vocab)
@@ -120,7 +122,7 @@ def time_row(draft_logits, budget, topk_cap, repeats, kernel_warps=()) -> dict:
         encodings_ms=median_ms(lambda: encodings(tree, roots), repeats),
         lax_top_k_ms=median_ms(lambda: lax_top_k(lp, k=k), repeats),
         hbm_floor_ms=1e3 * draft_logits.size * draft_logits.dtype.itemsize / HBM_BYTES_PER_S,
-        **kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, kernel_warps),
+        **kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, kernel_variants),
     )
 
 
@@ -132,22 +134,37 @@ def in_loop_ms(drafts, roots, budget, topk_cap, impl, repeats) -> float:
     return loop_ms(step, (drafts, roots), jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS)
 
 
-def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, warps=()) -> dict:
+def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, variants=()) -> dict:
     """The tree-build kernel's columns of a row (NaN where the kernel does not take the budget), with
-    ``beam_kernel_w<n>_ms`` and ``kernel_w<n>_equal`` for each warp count n of ``warps``."""
-    if not kernel_supports(budget, lp_k.shape[2], lp_k.shape[1]):
+    ``beam_kernel_<v>_ms`` and ``kernel_<v>_equal`` for each variant v of ``variants`` whose launch
+    takes the budget."""
+    k = lp_k.shape[2]
+    if not kernel_supports(budget, k, lp_k.shape[1]):
         return dict(beam_kernel_ms=float("nan"), kernel_in_loop_ms=float("nan"), kernel_equal=None)
 
-    def timed(num_warps):
-        got = beam_kernel(lp_k, tok_k, roots, budget=budget, num_warps=num_warps)
+    def timed(config):
+        got = beam_kernel(lp_k, tok_k, roots, budget=budget, config=config)
         equal = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree)))
-        return median_ms(lambda: beam_kernel(lp_k, tok_k, roots, budget=budget, num_warps=num_warps), repeats), equal
+        return median_ms(lambda: beam_kernel(lp_k, tok_k, roots, budget=budget, config=config), repeats), equal
 
-    columns = dict(zip(("beam_kernel_ms", "kernel_equal"), timed(4)))
+    columns = dict(zip(("beam_kernel_ms", "kernel_equal"), timed(tree_build_config(budget, k))))
     columns["kernel_in_loop_ms"] = in_loop_ms(drafts, roots, budget, topk_cap, KERNEL_IMPL, repeats)
-    for w in warps:
-        columns[f"beam_kernel_w{w}_ms"], columns[f"kernel_w{w}_equal"] = timed(w)
+    for name in variants:
+        config = parse_variant(name)
+        if config.supports(budget, k):
+            columns[f"beam_kernel_{name}_ms"], columns[f"kernel_{name}_equal"] = timed(config)
     return columns
+
+
+def parse_variant(name: str) -> TreeBuildConfig:
+    """A tree-build launch from its name: ``w<warps>`` (default 4), ``c<candidates a count tile>``
+    (default 0, one tile), and ``m`` for the merge order (else the count order), in that order:
+    ``w16``, ``c32m``, ``w8c32m``."""
+    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?(m?)", name)
+    if not name or match is None:
+        raise ValueError(f"a kernel variant is w<warps>, c<chunk> and m (merge) in that order, got {name!r}")
+    warps, chunk, merge = match.groups()
+    return TreeBuildConfig(num_warps=int(warps or 4), chunk=int(chunk or 0), order="merge" if merge else "count")
 
 
 def parse_ints(flag: str, text: str) -> list[int]:
@@ -165,15 +182,19 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the trees (0 = none)")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--kernel-warps", default="",
-                    help="comma-separated warp counts (1-16) to time the kernel's beam at besides the library's 4")
+    ap.add_argument("--kernel-variants", default="",
+                    help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk>m "
+                         "(each part optional; m: the merge order), e.g. w16,c32m,w8c32m")
     ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)
     budgets, batches = parse_ints("budgets", args.budgets), parse_ints("batches", args.batches)
-    kernel_warps = parse_ints("kernel-warps", args.kernel_warps) if args.kernel_warps else []
-    if not set(kernel_warps) <= set(WARPS):
-        raise ValueError(f"--kernel-warps must list warp counts of {WARPS}, got {args.kernel_warps!r}")
+    kernel_variants = [v for v in args.kernel_variants.split(",") if v]
+    for name in kernel_variants:
+        try:
+            parse_variant(name)
+        except ValueError as e:
+            raise ValueError(f"--kernel-variants: {e}") from None
     if args.topk_cap < 0:
         raise ValueError(f"--topk-cap must be >= 0, got {args.topk_cap}")
     for name in ("vocab", "depth", "repeats"):
@@ -192,7 +213,7 @@ def main(argv=None) -> int:
     for batch in batches:
         draft = jax.random.normal(jax.random.key(batch), (batch, args.depth, args.vocab), jnp.float32) * 3
         for budget in budgets:
-            row = time_row(draft, budget, args.topk_cap or None, args.repeats, kernel_warps)
+            row = time_row(draft, budget, args.topk_cap or None, args.repeats, kernel_variants)
             if args.profile:
                 try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
                     run = functools.partial(full, draft, jnp.zeros((batch,), jnp.int32), budget=budget,
@@ -205,9 +226,9 @@ def main(argv=None) -> int:
             cells = " ".join(f"{row[c]:>11.3f}" for c in COLUMNS)
             print(f"{batch:>5} {budget:>5} {row['plan']:>10} {cells} {row['hbm_floor_ms']:>10.4f}"
                   f"{'' if row['top_k_exact'] else '  TOP-K NOT EXACT'}", flush=True)
-            for w in (w for w in kernel_warps if f"beam_kernel_w{w}_ms" in row):
-                print(f"{'':>11} beam_kernel with {w} warps: {row[f'beam_kernel_w{w}_ms']:.3f} ms, "
-                      f"equal {row[f'kernel_w{w}_equal']}", flush=True)
+            for v in (v for v in kernel_variants if f"beam_kernel_{v}_ms" in row):
+                print(f"{'':>11} beam_kernel {v}: {row[f'beam_kernel_{v}_ms']:.3f} ms, "
+                      f"equal {row[f'kernel_{v}_equal']}", flush=True)
             meta["elapsed_s"] = time.perf_counter() - start
             with open(args.out, "w") as f:  # after every row: an interrupted run keeps what it measured
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -34,7 +34,8 @@ device, over shapes too large for the CPU.
   cache of more than 2**31 elements written in its last layer.
 - ``tree_build``: the tree-build kernel (``pallas_kernels.tree_build``) against its reference and the
   library's XLA path, from the top-K of random draft logits at V = 151,936 (with duplicated values,
-  and depths whose top token has probability 1, so that entries of different depths tie): identical
+  and depths whose top token has probability 1, so that entries of different depths tie), at budgets
+  16 to 64 with the launch the library uses and with the merge order at B = 16 and 32: identical
   nodes required.
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
@@ -66,7 +67,7 @@ from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 from pallas_kernels.tree_attention_reference import tree_attention_reference
-from pallas_kernels.tree_build import tree_nodes
+from pallas_kernels.tree_build import TreeBuildConfig, tree_build_config, tree_nodes
 from pallas_kernels.tree_build_reference import tree_nodes_reference
 from pallas_kernels.tree_sampling import SamplerConfig
 
@@ -291,15 +292,20 @@ def check_kv_write(interpret=False, cases=KV_WRITE_CASES):
 
 # (batch, depth L, vocab, budget, k, ties) of the tree-build kernel: the CLI's default tree (16, cap 4),
 # budgets 16 and 32 uncapped, a chain, at batch 1 and 8
-TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False), (8, 15, 151_936, 16, 16, True), (1, 15, 151_936, 32, 32, True),
-                    (8, 15, 151_936, 32, 8, False), (2, 15, 151_936, 16, 1, True)]
+# (batch, depth, vocab, budget, k, ties, launch: None for `tree_build.tree_build_config`'s)
+MERGE_32 = TreeBuildConfig(num_warps=8, chunk=32, order="merge")
+TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False, None), (8, 15, 151_936, 16, 16, True, None),
+                    (1, 15, 151_936, 32, 32, True, None), (8, 15, 151_936, 32, 8, False, None),
+                    (2, 15, 151_936, 16, 1, True, None), (1, 15, 151_936, 64, 64, True, None),
+                    (8, 15, 151_936, 64, 8, False, None), (1, 15, 151_936, 32, 32, True, MERGE_32),
+                    (8, 15, 151_936, 16, 16, True, TreeBuildConfig(chunk=16, order="merge"))]
 
 
 def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):
     """The tree-build kernel (or interpreted) against `tree_nodes_reference` and the library's
     ``tree_from_top_k``: identical tokens, parents, depths and log-weights."""
     records = []
-    for seed, (batch, depth, vocab, budget, k, ties) in enumerate(cases):
+    for seed, (batch, depth, vocab, budget, k, ties, config) in enumerate(cases):
         rng = np.random.default_rng(seed)
         logits = rng.normal(size=(batch, depth, vocab)).astype(np.float32) * 3
         if ties:  # duplicated values, and rows whose top token has probability 1 (exp(-200) underflows)
@@ -308,10 +314,12 @@ def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):
             logits[:, 1::2, 0] = 0.0
         lp, ids = jax.lax.top_k(tree.draft_log_probs(jnp.asarray(logits), 1.0), k)
         ids = ids.astype(jnp.int32)
-        record = dict(part="tree_build", batch=batch, depth=depth, vocab=vocab, budget=budget, k=k, ties=ties)
+        config = tree_build_config(budget, k) if config is None else config
+        record = dict(part="tree_build", batch=batch, depth=depth, vocab=vocab, budget=budget, k=k, ties=ties,
+                      config=dataclasses.asdict(config))
 
-        def check(lp=lp, ids=ids, budget=budget):
-            got = tree_nodes(lp, ids, budget=budget, interpret=interpret)
+        def check(lp=lp, ids=ids, budget=budget, config=config):
+            got = tree_nodes(lp, ids, budget=budget, config=config, interpret=interpret)
             ref = tree_nodes_reference(lp, ids, budget=budget)
             library = jax.vmap(functools.partial(tree.tree_from_top_k, budget=budget))(
                 lp, ids, jnp.zeros(lp.shape[0], jnp.int32))[:4]

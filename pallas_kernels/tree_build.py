@@ -7,20 +7,25 @@ as two reductions per depth (28 kernels of about a microsecond at ``L = 15`` on 
 global order's own; here the whole of it is one program per request:
 
 - each depth's candidates are the static pairs (beam entry ``i``, rank ``r``) with
-  ``(i + 1)(r + 1) <= B``, gathered from the beam and the depth's row by one-hot reductions;
-- their order is a pairwise count over (``-logw``, packed rank-tuple words, index), the new beam
-  a one-hot selection by rank, the beams kept as rows of ``[L2, B]`` tiles;
-- the global order counts, for each depth row of the tiles, the entries of every row before it,
-  and each output slot takes the entry ranked to it.
+  ``(i + 1)(r + 1) <= B``, gathered from the beam and the depth's row by one-hot reductions, in
+  chunks of ``chunk`` candidates (`TreeBuildConfig`; ``0``: one chunk of all of them);
+- a candidate's rank is a pairwise count over (``-logw``, packed rank-tuple words, index), chunk
+  against chunk, so that no tile is larger than ``chunk x chunk``; the new beam is a one-hot
+  selection by rank, the beams kept as rows of ``[L2, B]`` tiles;
+- the global order either counts, for each depth row of the tiles, the entries of every row before
+  it (``order="count"``: ``[L2, B, B]`` tiles, budgets up to `COUNT_ORDER_MAX_BUDGET`), or merges the
+  rows, which are each sorted already: ``B`` steps that pop the best row head (``order="merge"``:
+  ``[L2, B]`` tiles, a step's reductions in sequence).
 
 The result equals `tree_build_reference` (and the library's ``tree_from_top_k``), ties included:
-the same keys and the same tie rule. Work grows as ``L (B ln B)^2``, so the kernel takes budgets
-that are powers of two up to 32 with at most `MAX_CANDIDATES` candidates a depth
-(`kernel_supports`).
+the same keys and the same tie rule. The counts grow as ``L (B ln B)^2``; the kernel takes budgets
+that are powers of two up to `MAX_BUDGET` (`kernel_supports`), each with the launch of
+`tree_build_config` unless told otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,10 +34,48 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-MAX_BUDGET = 32
-MAX_CANDIDATES = 128  # a depth's candidates, padded to a power of two: a 128 x 128 count per depth
+MAX_BUDGET = 64
+MAX_TILE = 128  # candidates on a side of a count tile: a 128 x 128 count
 MAX_DEPTH = 16
-WARPS = (1, 2, 4, 8, 16)  # warp counts `tree_nodes` launches with
+MAX_CHUNKS = 16  # chunks a depth: chunks^2 count tiles are unrolled in the program
+COUNT_ORDER_MAX_BUDGET = 32  # the count order's [L2, B, B] tiles
+WARPS = (1, 2, 4, 8, 16)
+ORDERS = ("count", "merge")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBuildConfig:
+    """Launch of the tree-build kernel: ``num_warps`` Triton warps a program (one of `WARPS`),
+    ``chunk`` candidates a count tile side (``0``: all of a depth's candidates in one tile, padded
+    to a power of two; else a power of two in [8, `MAX_TILE`]), ``order`` of the beams (`ORDERS`)."""
+
+    num_warps: int = 4
+    chunk: int = 0
+    order: str = "count"
+
+    def __post_init__(self):
+        if self.num_warps not in WARPS:
+            raise ValueError(f"TreeBuildConfig.num_warps must be one of {WARPS}, got {self.num_warps!r}")
+        if not (self.chunk == 0 or (8 <= self.chunk <= MAX_TILE and self.chunk & (self.chunk - 1) == 0)):
+            raise ValueError(f"TreeBuildConfig.chunk must be 0 or a power of two in [8, {MAX_TILE}], "
+                             f"got {self.chunk!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"TreeBuildConfig.order must be one of {ORDERS}, got {self.order!r}")
+
+    def supports(self, budget: int, k: int) -> bool:
+        """Whether this launch takes a budget and width `kernel_supports` takes: its count tiles
+        within `MAX_TILE` candidates and `MAX_CHUNKS` chunks, the count order only up to
+    `COUNT_ORDER_MAX_BUDGET`."""
+        tile, chunks = candidate_chunks(budget, k, self.chunk)
+        return tile <= MAX_TILE and chunks <= MAX_CHUNKS and (self.order == "merge" or budget <= COUNT_ORDER_MAX_BUDGET)
+
+
+def tree_build_config(budget: int, k: int) -> TreeBuildConfig:
+    """The launch `tree_nodes` uses by default. Up to B = 32, the one measured on an H200: one count
+    tile, the count order, 4 warps (fastest at B <= 16; BENCHMARKS.md). Beyond, unmeasured: chunks of
+    32 candidates and the merge order, which keep every tile within 2,048 values at B = 64."""
+    config = TreeBuildConfig()
+    return config if config.supports(budget, k) else TreeBuildConfig(num_warps=8, chunk=32, order="merge")
 
 
 def _pow2(n: int) -> int:
@@ -57,15 +100,22 @@ def rank_packing(k: int, depth: int) -> tuple[int, int, int]:
     return bits, per_word, -(-depth // per_word)
 
 
+
+
+def candidate_chunks(budget: int, k: int, chunk: int) -> tuple[int, int]:
+    """(candidates a chunk, chunks) of a depth's `beam_pairs` under ``TreeBuildConfig.chunk``."""
+    pairs = len(beam_pairs(budget, k)[0])
+    tile = chunk or _pow2(pairs)
+    return tile, -(-pairs // tile)
+
+
 def kernel_supports(budget: int, k: int, depth: int) -> bool:
     """Whether the kernel takes this shape: ``budget`` a power of two in [2, `MAX_BUDGET`], ``1 <= k <=
-    budget``, ``depth <= MAX_DEPTH`` and at most `MAX_CANDIDATES` candidates a depth, padded."""
-    if not (2 <= budget <= MAX_BUDGET and budget & (budget - 1) == 0 and 1 <= k <= budget and 1 <= depth <= MAX_DEPTH):
-        return False
-    return _pow2(len(beam_pairs(budget, k)[0])) <= MAX_CANDIDATES
+    budget`` and ``depth <= MAX_DEPTH`` (`tree_build_config` then gives a launch that takes it)."""
+    return 2 <= budget <= MAX_BUDGET and budget & (budget - 1) == 0 and 1 <= k <= budget and 1 <= depth <= MAX_DEPTH
 
 
-def tree_nodes(lp_BLK, tok_BLK, *, budget: int, num_warps: int = 4, interpret: bool = False):
+def tree_nodes(lp_BLK, tok_BLK, *, budget: int, config: TreeBuildConfig | None = None, interpret: bool = False):
     """Nodes 1..``budget`` of each request's tree in pop order: ``(tokens, parents, depths [B, budget]
     int32, logw [B, budget] float32)``, padding ``0, -1, 0, -inf``; parents are node indices (the root
     is node 0, which the caller prepends).
@@ -75,8 +125,7 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, num_warps: int = 4, interpret: b
         (``-inf`` where a depth has fewer than ``K`` tokens).
       tok_BLK: int32 ``[batch, L, K]`` their token ids (ties by lower id first).
       budget: nodes besides the root; `kernel_supports` must hold.
-      num_warps: Triton warps per program (1 to 16, a power of two): the lanes that share a depth's
-        pairwise count.
+      config: the launch (default `tree_build_config`); ``config.supports(budget, K)`` must hold.
       interpret: run in the Pallas interpreter.
     """
     if jnp.ndim(lp_BLK) != 3:
@@ -87,34 +136,37 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, num_warps: int = 4, interpret: b
     if not kernel_supports(budget, k, depth):
         raise ValueError(f"the tree-build kernel does not take budget {budget} with k {k} and depth {depth} "
                          f"(kernel_supports)")
-    if num_warps not in WARPS:
-        raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
+    config = tree_build_config(budget, k) if config is None else config
+    if not isinstance(config, TreeBuildConfig) or not config.supports(budget, k):
+        raise ValueError(f"config {config!r} does not take budget {budget} with k {k} (TreeBuildConfig.supports)")
     return _tree_nodes(jnp.asarray(lp_BLK, jnp.float32), jnp.asarray(tok_BLK, jnp.int32), budget=int(budget),
-                       num_warps=int(num_warps), interpret=bool(interpret))
+                       config=config, interpret=bool(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "num_warps", "interpret"))
-def _tree_nodes(lp_BLK, tok_BLK, *, budget, num_warps, interpret):
+@functools.partial(jax.jit, static_argnames=("budget", "config", "interpret"))
+def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
     batch, depth, k = lp_BLK.shape
     depth2, k2 = _pow2(depth), _pow2(k)
     pair_i, pair_r = beam_pairs(budget, k)
-    pairs = _pow2(len(pair_i))
+    tile, chunks = candidate_chunks(budget, k, config.chunk)
     # padding pairs match no beam entry and no rank: -inf candidates
-    pair_i = np.pad(pair_i, (0, pairs - len(pair_i)), constant_values=budget)
-    pair_r = np.pad(pair_r, (0, pairs - len(pair_r)), constant_values=k2)
+    pair_i = np.pad(pair_i, (0, tile * chunks - len(pair_i)), constant_values=budget)
+    pair_r = np.pad(pair_r, (0, tile * chunks - len(pair_r)), constant_values=k2)
     pad = [(0, 0), (0, depth2 - depth), (0, k2 - k)]
     lp = jnp.pad(lp_BLK, pad, constant_values=-jnp.inf)
     tok = jnp.pad(tok_BLK, pad)
     bits, per_word, words = rank_packing(k, depth)
-    kernel = functools.partial(_kernel, budget=budget, k=k, depth=depth, bits=bits, per_word=per_word, words=words)
+    kernel = functools.partial(_kernel, budget=budget, k=k, depth=depth, bits=bits, per_word=per_word, words=words,
+                               tile=tile, chunks=chunks, order=config.order)
     row_spec = pl.BlockSpec((None, depth2, k2), lambda b: (b, 0, 0))
-    pair_spec = pl.BlockSpec((pairs,), lambda b: (0,))
+    pair_spec = pl.BlockSpec((tile * chunks,), lambda b: (0,))
     out_spec = pl.BlockSpec((None, budget), lambda b: (b, 0))
     ints = jax.ShapeDtypeStruct((batch, budget), jnp.int32)
     return pl.pallas_call(
         kernel, grid=(batch,), in_specs=[row_spec, row_spec, pair_spec, pair_spec], out_specs=[out_spec] * 4,
         out_shape=[ints, ints, ints, jax.ShapeDtypeStruct((batch, budget), jnp.float32)],
-        interpret=interpret, name="tree_build", compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="tree_build",
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1),
     )(lp, tok, jnp.asarray(pair_i), jnp.asarray(pair_r))
 
 
@@ -136,16 +188,11 @@ def _precedes(keys_q, keys_p, before):
 
 
 def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out, logw_out, *, budget, k, depth,
-            bits, per_word, words):
+            bits, per_word, words, tile, chunks, order):
     """Program b: request b's beam over the ``[L2, K2]`` rows, then its ``budget`` first entries."""
     neg = jnp.float32(-jnp.inf)
     depth2, k2 = lp_ref.shape
-    pairs = pair_i_ref.shape[0]
     width = budget
-    pair_i, pair_r = pair_i_ref[...], pair_r_ref[...]
-    from_beam = pair_i[:, None] == _iota((pairs, width), 1)
-    from_row = pair_r[:, None] == _iota((pairs, k2), 1)
-    rank_plus_one = jnp.where(pair_r < k, pair_r + 1, 0)
     rows = _iota((depth2, width), 0)
 
     # depth 1: the beam is the row's first K entries (ranks 0..K-1), padded with -inf
@@ -159,32 +206,59 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
     acc_tok = jnp.where(at_row0, _take(first, tok_ref[0, :], 0)[None, :], 0)
     acc_par = jnp.full((depth2, width), -1, jnp.int32)
     acc_words = [jnp.where(at_row0, w[None, :], 0) for w in beam_words]
-    index_before = _iota((pairs, pairs), 0) < _iota((pairs, pairs), 1)
+    pair_chunks = [(pair_i_ref[pl.ds(a * tile, tile)], pair_r_ref[pl.ds(a * tile, tile)]) for a in range(chunks)]
+
+    def candidates(d, logw, beam_words, pair_i, pair_r):
+        """A chunk's candidates at depth d: (logw, token, rank-tuple words)."""
+        lp_d, tok_d = lp_ref[pl.ds(d, 1), :][0], tok_ref[pl.ds(d, 1), :][0]
+        from_beam = pair_i[:, None] == _iota((tile, width), 1)
+        from_row = pair_r[:, None] == _iota((tile, k2), 1)
+        word = jax.lax.div(d, jnp.int32(per_word))  # d >= 0: lax's truncating div and rem are the floor ones
+        new_rank = jnp.where(pair_r < k, pair_r + 1, 0) << (bits * (per_word - 1 - jax.lax.rem(d, jnp.int32(per_word))))
+        return (_take(from_beam, logw, neg) + _take(from_row, lp_d, neg), _take(from_row, tok_d, 0),
+                [_take(from_beam, w, 0) + jnp.where(word == x, new_rank, 0) for x, w in enumerate(beam_words)])
+
+    def rank(keys_a, keys, a):
+        """Candidates of chunk a: how many of all the chunks' candidates sort before each."""
+        count = jnp.zeros((tile,), jnp.int32)
+        for b, keys_b in enumerate(keys):  # ties by candidate index: chunk b's all before chunk a's when b < a
+            before = (_iota((tile, tile), 0) < _iota((tile, tile), 1)) if a == b else jnp.full((tile, tile), b < a)
+            before = _precedes([key[:, None] for key in keys_b], [key[None, :] for key in keys_a], before)
+            count = count + jnp.sum(before.astype(jnp.int32), axis=0)
+        return count
 
     def extend(d, carry):
         logw, beam_words, acc_logw, acc_tok, acc_par, acc_words = carry
-        lp_d, tok_d = lp_ref[pl.ds(d, 1), :][0], tok_ref[pl.ds(d, 1), :][0]
-        cand_logw = _take(from_beam, logw, neg) + _take(from_row, lp_d, neg)
-        cand_tok = _take(from_row, tok_d, 0)
-        word = jax.lax.div(d, jnp.int32(per_word))  # d >= 0: lax's truncating div and rem are the floor ones
-        new_rank = rank_plus_one << (bits * (per_word - 1 - jax.lax.rem(d, jnp.int32(per_word))))
-        cand_words = [_take(from_beam, w, 0) + jnp.where(word == x, new_rank, 0) for x, w in enumerate(beam_words)]
-        keys = [-cand_logw, *cand_words]
-        before = _precedes([key[:, None] for key in keys], [key[None, :] for key in keys], index_before)
-        rank = jnp.sum(before.astype(jnp.int32), axis=0)
-        chosen = rank[None, :] == _iota((width, pairs), 0)
-        logw = _take(chosen, cand_logw, neg)
-        beam_words = [_take(chosen, w, 0) for w in cand_words]
+        cands = [candidates(d, logw, beam_words, pair_i, pair_r) for pair_i, pair_r in pair_chunks]
+        keys = [[-cand_logw, *cand_words] for cand_logw, _, cand_words in cands]
+        new = None
+        for a, ((cand_logw, cand_tok, cand_words), (pair_i, _)) in enumerate(zip(cands, pair_chunks)):
+            chosen = rank(keys[a], keys, a)[None, :] == _iota((width, tile), 0)
+            picked = [_take(chosen, cand_logw, neg), _take(chosen, cand_tok, 0), _take(chosen, pair_i, 0),
+                      *[_take(chosen, w, 0) for w in cand_words]]
+            new = picked if new is None else [jnp.maximum(n, p) if n.dtype == jnp.float32 else n + p
+                                              for n, p in zip(new, picked)]
+        logw, tok, parent, *beam_words = new
         at_row = rows == d
-        return (logw, beam_words, jnp.where(at_row, logw[None, :], acc_logw),
-                jnp.where(at_row, _take(chosen, cand_tok, 0)[None, :], acc_tok),
-                jnp.where(at_row, _take(chosen, pair_i, 0)[None, :], acc_par),
+        return (logw, beam_words, jnp.where(at_row, logw[None, :], acc_logw), jnp.where(at_row, tok[None, :], acc_tok),
+                jnp.where(at_row, parent[None, :], acc_par),
                 [jnp.where(at_row, w[None, :], a) for w, a in zip(beam_words, acc_words)])
 
     carry = (logw, beam_words, acc_logw, acc_tok, acc_par, acc_words)
     _, _, acc_logw, acc_tok, acc_par, acc_words = jax.lax.fori_loop(1, depth, extend, carry)
+    order_fn = _count_order if order == "count" else _merge_order
+    fields = order_fn(acc_logw, acc_tok, acc_par, acc_words, budget=budget)
+    for out, field in zip((tok_out, par_out, depth_out, logw_out), fields):
+        out[...] = field
 
-    # global order of every beam entry (d, w) by (-logw, words, d * width + w), one depth row at a time
+
+def _count_order(acc_logw, acc_tok, acc_par, acc_words, *, budget):
+    """Fields of the ``budget`` first beam entries ``(d, w)`` by (-logw, words, ``d * width + w``): each
+    entry's position counted against one depth row at a time, each output slot the entry at its
+    position."""
+    neg = jnp.float32(-jnp.inf)
+    depth2, width = acc_logw.shape
+    rows = _iota((depth2, width), 0)
     flat = rows * width + _iota((depth2, width), 1)
     keys_p = [key[:, :, None] for key in (-acc_logw, *acc_words)]
 
@@ -205,12 +279,47 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
     parent = jnp.sum(jnp.where(acc_par[:, :, None] == _iota(shape3, 2), node_above[:, None, :], 0), axis=2)
     parent = jnp.where(rows == 0, 0, parent)
 
-    slots = (budget, depth2, width)
-    hit = order[None, :, :] == _iota(slots, 0)
-    fields = ((tok_out, jnp.where(real, acc_tok, 0)), (par_out, jnp.where(real, parent, -1)),
-              (depth_out, jnp.where(real, rows + 1, 0)), (logw_out, jnp.where(real, acc_logw, neg)))
-    for out, field in fields:  # slot s takes the entry ordered s-th: a reduction over the tiles
+    hit = order[None, :, :] == _iota((budget, depth2, width), 0)
+    fields = []
+    for field in (jnp.where(real, acc_tok, 0), jnp.where(real, parent, -1), jnp.where(real, rows + 1, 0),
+                  jnp.where(real, acc_logw, neg)):  # slot s takes the entry ordered s-th: a reduction over the tiles
         floating = jnp.issubdtype(field.dtype, jnp.floating)
         picked = jnp.where(hit, field[None, :, :], neg if floating else 0)
         reduce = jnp.max if floating else jnp.sum
-        out[...] = reduce(reduce(picked, axis=2), axis=1)
+        fields.append(reduce(reduce(picked, axis=2), axis=1))
+    return fields
+
+
+def _merge_order(acc_logw, acc_tok, acc_par, acc_words, *, budget):
+    """`_count_order`'s fields by merging the rows: each row is a beam, sorted by (-logw, words) with
+    distinct words, so output slot s is the best of the rows' heads (ties by row, which only -inf
+    entries can reach), and a popped entry's parent, which sorts before it, is numbered already."""
+    neg = jnp.float32(-jnp.inf)
+    depth2, width = acc_logw.shape
+    rows, cols = _iota((depth2, width), 0), _iota((depth2, width), 1)
+    row_ids, slots = _iota((depth2,), 0), _iota((budget,), 0)
+    int_max = jnp.int32(np.iinfo(np.int32).max)
+
+    def pop(s, carry):
+        head_of, node, tok_s, par_s, depth_s, logw_s = carry  # head_of[d]: row d's next entry
+        head = cols == head_of[:, None]
+        best_key = -jnp.max(jnp.where(head, acc_logw, neg), axis=1)  # a row past its end: -inf, words 0
+        best = best_key == jnp.min(best_key)
+        for a in acc_words:
+            key = jnp.sum(jnp.where(head, a, 0), axis=1)
+            best = best & (key == jnp.min(jnp.where(best, key, int_max)))
+        d = jnp.min(jnp.where(best, row_ids, depth2))
+        at = (rows == d) & head
+        logw = jnp.max(jnp.where(at, acc_logw, neg))
+        above = jnp.sum(jnp.where(at, acc_par, 0))
+        parent = jnp.sum(jnp.where((rows == d - 1) & (cols == above), node, 0))  # 0 (the root) at d = 0
+        real, slot = logw > neg, slots == s
+        return (head_of + (row_ids == d).astype(jnp.int32), jnp.where(at, s + 1, node),
+                jnp.where(slot & real, jnp.sum(jnp.where(at, acc_tok, 0)), tok_s),
+                jnp.where(slot & real, parent, par_s), jnp.where(slot & real, d + 1, depth_s),
+                jnp.where(slot & real, logw, logw_s))
+
+    zeros = jnp.zeros((budget,), jnp.int32)
+    carry = (jnp.zeros((depth2,), jnp.int32), jnp.zeros((depth2, width), jnp.int32), zeros, zeros - 1, zeros,
+             jnp.full((budget,), neg))
+    return jax.lax.fori_loop(0, budget, pop, carry)[2:]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pallas_kernels.tree_build import TreeBuildConfig
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import bench_tree_build  # noqa: E402
@@ -51,14 +53,19 @@ def test_bench_tree_build_topk_cap(tmp_path):
     assert (row["topk_cap"], row["k"], row["kernel_equal"]) == (2, 2, True)
 
 
-def test_bench_tree_build_kernel_warps(tmp_path):
-    """``--kernel-warps`` times the kernel at other warp counts; every count builds the same tree."""
+def test_bench_tree_build_kernel_variants(tmp_path):
+    """``--kernel-variants`` times the kernel with other launches, each where it takes the budget; every
+    launch builds the same tree."""
     out = tmp_path / "tree_build.json"
-    argv = ["--vocab", "512", "--depth", "3", "--budgets", "8", "--batches", "1", "--repeats", "1",
-            "--kernel-warps", "2,8", "--out", str(out)]
+    argv = ["--vocab", "512", "--depth", "3", "--budgets", "8,64", "--batches", "1", "--repeats", "1",
+            "--kernel-variants", "w2,c8m,w16c32m", "--out", str(out)]
     assert bench_tree_build.main(argv) == 0
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["kernel_w2_equal"] is True and row["kernel_w8_equal"] is True
-    assert row["beam_kernel_w2_ms"] > 0 and row["beam_kernel_w8_ms"] > 0
-    with pytest.raises(ValueError, match="--kernel-warps"):
-        bench_tree_build.main(["--kernel-warps", "3", "--out", str(tmp_path / "x.json")])
+    small, large = json.loads(out.read_text())["rows"]
+    for v in ("w2", "c8m", "w16c32m"):
+        assert small[f"kernel_{v}_equal"] is True and small[f"beam_kernel_{v}_ms"] > 0
+    assert large["kernel_equal"] is True and large["kernel_w16c32m_equal"] is True  # B = 64
+    assert "beam_kernel_c8m_ms" not in large and "beam_kernel_w2_ms" not in large  # 35 chunks; a 512-wide tile
+    assert bench_tree_build.parse_variant("w16c32m") == TreeBuildConfig(num_warps=16, chunk=32, order="merge")
+    for bad, message in [("w3", "num_warps must be"), ("m32", "w<warps>, c<chunk> and m"), ("c12", "chunk must be")]:
+        with pytest.raises(ValueError, match=f"--kernel-variants: .*{message}"):
+            bench_tree_build.main(["--kernel-variants", bad, "--out", str(tmp_path / "x.json")])

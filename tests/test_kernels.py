@@ -201,7 +201,7 @@ def _draft_logits(batch=3, depth=5, vocab=40, seed=0):
     return jnp.asarray(logits), jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
 
 
-@pytest.mark.parametrize("budget, topk_cap", [(8, None), (16, 4), (4, 1), (2, None)])
+@pytest.mark.parametrize("budget, topk_cap", [(8, None), (16, 4), (4, 1), (2, None), (64, None)])
 def test_interpreted_tree_build_equals_the_xla_build(budget, topk_cap):
     """The kernel's tree, the root prepended by `tree.tree_from_nodes`, is the XLA build's, leaf for leaf."""
     from ddtree_jax.tree import build_tree_unchecked

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from ddtree_jax import tree
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_build import MAX_BUDGET, kernel_supports, tree_nodes
+from pallas_kernels.tree_build import (
+    MAX_BUDGET,
+    TreeBuildConfig,
+    candidate_chunks,
+    kernel_supports,
+    tree_build_config,
+    tree_nodes,
+)
 from pallas_kernels.tree_build_reference import tree_nodes_reference
 
 
@@ -47,45 +54,67 @@ def assert_equal_nodes(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
-# (batch, depth, vocab, budget, k): compiled once each. Budgets 2 to 32 with k = budget and below it
-# (a per-depth cap, k = 1 a chain), depth 1, the embedded drafter's 15 and the most, 16; rank tuples in
-# one word (k = 1) and in several (k = 16, 32: three and four words at depth 15); fewer candidate paths
-# than the budget (vocab 3: padding nodes, -inf entries in the rows).
-SHAPES = [(2, 15, 300, 16, 16), (1, 15, 300, 16, 4), (3, 5, 17, 8, 8), (2, 3, 3, 16, 3), (1, 1, 50, 4, 4),
-          (2, 16, 100, 32, 4), (1, 7, 64, 16, 1), (2, 9, 64, 32, 32), (1, 2, 5, 2, 2)]
+MERGE = TreeBuildConfig(chunk=8, order="merge")
+# (batch, depth, vocab, budget, k, launch; None: `tree_build_config`'s): compiled once each. Budgets 2
+# to 64 with k = budget and below it (a per-depth cap, k = 1 a chain), depth 1, the embedded drafter's
+# 15 and the most, 16; rank tuples in one word (k = 1) and in several (k = 16, 32, 64: three, four and
+# four words at depth 15); fewer candidate paths than the budget (vocab 3: padding nodes, -inf entries
+# in the rows); one count tile and chunks of 8 to 64 candidates (a last chunk part padding); the count
+# order and the merge.
+SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8, None), (2, 3, 3, 16, 3, None),
+          (1, 1, 50, 4, 4, None), (2, 16, 100, 32, 4, None), (1, 7, 64, 16, 1, None), (2, 9, 64, 32, 32, None),
+          (1, 2, 5, 2, 2, None), (2, 15, 300, 64, 64, None),
+          (1, 16, 40, 64, 4, TreeBuildConfig(chunk=64, order="merge")), (2, 15, 300, 16, 16, MERGE),
+          (2, 3, 3, 16, 3, MERGE), (1, 1, 50, 4, 4, MERGE), (1, 2, 5, 2, 2, MERGE),
+          (2, 9, 64, 32, 32, TreeBuildConfig(chunk=32)), (2, 9, 64, 32, 32, TreeBuildConfig(order="merge"))]
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31 - 1), shape=st.sampled_from(SHAPES), ties=st.booleans(), certain=st.booleans())
-def test_kernel_equals_reference_and_library(seed, shape, ties, certain):
-    batch, depth, vocab, budget, k = shape
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), ties=st.booleans(), certain=st.booleans())
+def test_kernel_equals_reference_and_library(shape, seed, ties, certain):
+    batch, depth, vocab, budget, k, config = shape
     lp, ids = top_k_rows(seed, batch, depth, vocab, k, ties, certain)
-    got = tree_nodes(lp, ids, budget=budget, interpret=True)
+    got = tree_nodes(lp, ids, budget=budget, config=config, interpret=True)
     assert_equal_nodes(got, tree_nodes_reference(lp, ids, budget=budget))
     assert_equal_nodes(got, library_nodes(lp, ids, budget))
 
 
-@pytest.mark.parametrize("budget, k", [(24, 24), (64, 8)])
+@pytest.mark.parametrize("budget, k", [(24, 24), (128, 8)])
 def test_reference_equals_library_beyond_the_kernel(budget, k):
     """The reference takes any budget: at budgets the kernel does not, it equals the XLA path too."""
     lp, ids = top_k_rows(3, 2, 6, 40, k, True)
     assert_equal_nodes(tree_nodes_reference(lp, ids, budget=budget), library_nodes(lp, ids, budget))
 
 
-@pytest.mark.parametrize("budget, k, depth, warps", [(16, 16, 15, 4), (16, 4, 15, 4), (32, 32, 15, 4),
-                                                     (32, 32, 15, 16), (2, 1, 1, 1)])
-def test_triton_lowering_verifies(budget, k, depth, warps):
+@pytest.mark.parametrize("budget, k, depth, config", [
+    (16, 16, 15, None), (16, 4, 15, None), (32, 32, 15, None), (32, 32, 15, TreeBuildConfig(num_warps=16)),
+    (64, 64, 15, None), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=64, order="merge")),
+    (16, 16, 15, TreeBuildConfig(chunk=16, order="merge")), (2, 1, 1, TreeBuildConfig(num_warps=1))])
+def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
-    (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, num_warps=warps),
-                                        *shapes)
+    (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, config=config), *shapes)
     assert "tt.reduce" in module
 
 
-def test_kernel_supports_small_power_of_two_budgets():
-    assert kernel_supports(16, 16, 15) and kernel_supports(32, 32, 16) and kernel_supports(2, 1, 1)
+def test_kernel_supports_power_of_two_budgets_up_to_64():
+    assert kernel_supports(16, 16, 15) and kernel_supports(64, 64, 16) and kernel_supports(2, 1, 1)
     assert not kernel_supports(24, 8, 15)  # not a power of two
     assert not kernel_supports(2 * MAX_BUDGET, 4, 15) and not kernel_supports(16, 32, 15)  # k > budget
     assert not kernel_supports(16, 16, 17)  # deeper than MAX_DEPTH
+
+
+def test_launches_and_the_shapes_they_take():
+    """Up to B = 32 the measured launch (one count tile, the count order); at 64 chunks and the merge,
+    because one tile of its 280 candidates would be 512 wide and the count order's tiles B x B x L."""
+    assert candidate_chunks(16, 16, 0) == (64, 1) and candidate_chunks(64, 64, 32) == (32, 9)
+    assert tree_build_config(16, 16) == tree_build_config(32, 32) == TreeBuildConfig()
+    assert tree_build_config(64, 64) == TreeBuildConfig(num_warps=8, chunk=32, order="merge")
+    assert tree_build_config(64, 4).supports(64, 4)
+    assert not TreeBuildConfig().supports(64, 64)  # a 512-wide tile
+    assert not TreeBuildConfig(chunk=32).supports(64, 64)  # the count order past 32
+    assert not TreeBuildConfig(chunk=8, order="merge").supports(64, 64)  # 35 chunks: 35^2 tiles unrolled
+    assert TreeBuildConfig(chunk=16, order="merge").supports(32, 32)
 
 
 def test_bad_input_raises_clear_errors():
@@ -96,8 +125,14 @@ def test_bad_input_raises_clear_errors():
         tree_nodes(lp, ids[:, :2], budget=4)
     with pytest.raises(ValueError, match=r"lp_BLK must be \[batch, L, K\]"):
         tree_nodes(lp[0], ids[0], budget=4)
-    with pytest.raises(ValueError, match="num_warps must be"):
-        tree_nodes(lp, ids, budget=4, num_warps=3)
+    with pytest.raises(ValueError, match="does not take budget 64 with k 4"):
+        tree_nodes(*top_k_rows(0, 1, 3, 20, 4, False), budget=64, config=TreeBuildConfig(chunk=8))
+    with pytest.raises(ValueError, match="config 4 does not take"):
+        tree_nodes(lp, ids, budget=4, config=4)
+    for field, value, message in [("num_warps", 3, "num_warps must be one of"), ("chunk", 12, "chunk must be 0 or"),
+                                  ("chunk", 256, "chunk must be 0 or"), ("order", "sort", "order must be one of")]:
+        with pytest.raises(ValueError, match=message):
+            TreeBuildConfig(**{field: value})
 
 
 def test_gpu_equality_script_tree_build_part_runs_interpreted(monkeypatch):
@@ -105,11 +140,11 @@ def test_gpu_equality_script_tree_build_part_runs_interpreted(monkeypatch):
     broken kernel fails it."""
     from experiments import check_kernels
 
-    cases = [(2, 5, 300, 16, 4, True), (1, 3, 40, 8, 8, False)]
+    cases = [(2, 5, 300, 16, 4, True, None), (1, 3, 40, 8, 8, False, TreeBuildConfig(chunk=8, order="merge"))]
     assert [r["ok"] for r in check_kernels.check_tree_build(interpret=True, cases=cases)] == [True, True]
 
-    def off_by_one(lp, ids, *, budget, interpret):
-        tokens, *rest = tree_nodes(lp, ids, budget=budget, interpret=interpret)
+    def off_by_one(lp, ids, *, budget, config, interpret):
+        tokens, *rest = tree_nodes(lp, ids, budget=budget, config=config, interpret=interpret)
         return tokens + 1, *rest
 
     monkeypatch.setattr(check_kernels, "tree_nodes", off_by_one)
