@@ -211,7 +211,11 @@ def save_target(path, target: Target, *, max_shard_bytes=None) -> None:
 
 
 def save_drafter(path, drafter: Drafter, *, max_shard_bytes=None) -> None:
-    """Write ``drafter`` as a DFlash HF directory (names without the ``model.`` prefix)."""
+    """Write ``drafter`` as a DFlash HF directory (names without the ``model.`` prefix). A draft
+    vocabulary (`dflash.with_draft_vocab`) is a setting of inference, not a weight: ``ValueError``."""
+    if drafter.params.draft_ids is not None:
+        raise ValueError("the drafter has a draft vocabulary (with_draft_vocab), which a DFlash checkpoint does not "
+                         "hold: save the drafter without it (with_draft_vocab(drafter, target, None))")
     _save(path, drafter.config.to_hf(), _drafter_tensors(drafter), max_shard_bytes)
 
 

@@ -54,6 +54,9 @@ def _add_generate(sub) -> None:
                    help="round-time model of --budget-policy adaptive: a JSON written by ddtree bench or a shipped "
                         f"table ({', '.join(costs.shipped())}) (default: the device's own; none on a CPU: a flat "
                         "cost, which keeps every node)")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft from the N most frequent tokens only (counts: <target>/token_counts.npy, written by "
+                        "experiments/count_tokens.py); the output law is unchanged. 0 = the whole vocabulary")
     p.add_argument("--draft-temperature", type=float, default=1.0,
                    help="temperature of the drafter's marginals that the tree is built from (> 0)")
     p.add_argument("--temperature", type=float, default=1.0, help="target sampling temperature; 0 = greedy")
@@ -85,6 +88,7 @@ def _add_generate(sub) -> None:
 GENERATE_RULES = (
     ("budget", lambda v: v >= 1, ">= 1"),
     ("topk_cap", lambda v: v >= 0, ">= 0 (0 = no cap)"),
+    ("draft_vocab", lambda v: v >= 0, ">= 0 (0 = the whole vocabulary)"),
     ("draft_temperature", lambda v: math.isfinite(v) and v > 0, "finite and > 0"),
     ("temperature", lambda v: math.isfinite(v) and v >= 0, "finite and >= 0 (0 = greedy)"),
     ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
@@ -159,9 +163,17 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--cost-table is the model of --budget-policy adaptive, got --budget-policy "
                          f"{args.budget_policy}")
     cost_table = None if args.cost_table is None else costs.load(args.cost_table)
+    if args.draft_vocab and args.method == "ar":
+        raise ValueError("--draft-vocab needs a drafter: --method ddtree or chain, got --method ar")
     target, drafter, tokenizer = _load(args)
     vocab = target.config.vocab_size
-    checks.flags(args, [("top_k", lambda v: v <= vocab, f"<= the vocabulary size {vocab} (0 = off)")])
+    checks.flags(args, [("top_k", lambda v: v <= vocab, f"<= the vocabulary size {vocab} (0 = off)"),
+                        ("draft_vocab", lambda v: v <= vocab, f"<= the vocabulary size {vocab} (0 = all of it)")])
+    if args.draft_vocab:
+        from ddtree_jax.draft_vocab import load_counts, most_frequent
+        from ddtree_jax.models.dflash import with_draft_vocab
+
+        drafter = with_draft_vocab(drafter, target, most_frequent(load_counts(args.target, vocab), args.draft_vocab))
     prompt = _prompt_ids(args, tokenizer, vocab)
     mesh = _mesh(args, target)
     stop = [] if args.no_stop or tokenizer is None else [tokenizer.eot_id]
@@ -193,6 +205,7 @@ def cmd_generate(args) -> int:
     ids = [int(t) for t in res.tokens[0, : res.lengths[0]]]
     stats = res.summary()
     stats.update(method=args.method, budget=args.budget, topk_cap=args.topk_cap, budget_policy=args.budget_policy,
+                 draft_vocab=args.draft_vocab,
                  temperature=args.temperature, backend=jax.default_backend())
     if args.json:
         text = tokenizer.decode(ids) if tokenizer is not None else None

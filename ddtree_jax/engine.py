@@ -39,7 +39,7 @@ from ddtree_jax.models.cache import KVCache, commit, init_cache
 from ddtree_jax.models.dflash import Drafter, append_context, check_pair, drafter_forward
 from ddtree_jax.models.qwen3 import Target, target_forward, target_forward_packed
 from ddtree_jax.sampling import batch_probs, coins_from_keys, request_keys
-from ddtree_jax.tree import DraftTree, tree_attention_mask, tree_positions
+from ddtree_jax.tree import DraftTree, tree_attention_mask, tree_positions, with_token_ids
 from ddtree_jax.verify import expected_acceptance
 
 METHODS = ("ar", "chain", "ddtree")
@@ -220,6 +220,8 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
     draft_logits = sharding.gather_vocab(draft_logits, mesh)
     tree = kernels.tree_build_fn(spec.build_impl, mesh)(draft_logits, state.root, draft_temperature,
                                                         budget=spec.tree_budget, topk_cap=spec.topk_cap)
+    if drafter.params.draft_ids is not None:
+        tree = with_token_ids(tree, drafter.params.draft_ids)
     if spec.budget_policy == "adaptive":
         tree = policies.keep_prefix(tree, policies.adaptive_keep(tree.logw, tree.num_nodes, jnp.asarray(spec.cost_ms)))
     elif spec.budget_policy == "batch":

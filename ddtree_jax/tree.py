@@ -186,6 +186,15 @@ def build_tree_unchecked(draft_logits, root_tokens, draft_temperature, *, budget
     return DraftTree(tokens, parents, depths, logw, num_nodes, max_depth=depth_count)
 
 
+def with_token_ids(tree: DraftTree, token_ids_W: Int[Array, " W"]) -> DraftTree:
+    """A tree built from draft logits over a draft vocabulary (column ``j`` for token ``token_ids[j]``),
+    its drafted nodes' tokens turned from columns into token ids; the root and padding unchanged."""
+    slots = jnp.arange(tree.tokens.shape[1])[None, :]
+    drafted = (slots >= 1) & (slots < tree.num_nodes[:, None])
+    tokens = jnp.where(drafted, jnp.take(token_ids_W, jnp.where(drafted, tree.tokens, 0)), tree.tokens)
+    return dataclasses.replace(tree, tokens=tokens)
+
+
 def build_tree(
     draft_logits: Float[Array, "B L V"],
     root_tokens: Int[Array, " B"],

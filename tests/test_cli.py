@@ -72,6 +72,17 @@ def test_greedy_methods_agree_through_the_cli(capsys):
     assert ids[0] == ids[1] and len(ids[0]) == 10
 
 
+def test_a_draft_vocabulary_keeps_the_greedy_tokens(capsys):
+    """``--draft-vocab`` drafts from the most frequent tokens only: the output is AR's, and the statistics
+    name it."""
+    outs = []
+    for flags in (["--method", "ar"], ["--draft-vocab", "1024"]):
+        main(["generate", "--prompt-ids", PROMPT_IDS, "--temperature", "0", "--max-new-tokens", "10", "--json",
+              "--no-stop", *flags])
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[1]["stats"]["draft_vocab"] == 1024
+
+
 def one_line_error(argv, capsys) -> str:
     """The message a bad ``ddtree`` command exits with: one line (a string code is exit status 1),
     with nothing printed on stdout before it."""
@@ -99,6 +110,9 @@ def one_line_error(argv, capsys) -> str:
     (["--target", "/nonexistent"], "--target /nonexistent is not an HF-format model directory"),
     (["--drafter", "/nonexistent"], "--drafter /nonexistent is not an HF-format model directory"),
     (["--max-new-tokens", "600"], "exceeds the target's max_position_embeddings=512"),
+    (["--draft-vocab", "-1"], "--draft-vocab must be >= 0 (0 = the whole vocabulary), got -1"),
+    (["--draft-vocab", "5000"], "--draft-vocab must be <= the vocabulary size 4096 (0 = all of it), got 5000"),
+    (["--draft-vocab", "8", "--method", "ar"], "--draft-vocab needs a drafter"),
 ])
 def test_bad_flags_exit_with_one_line_naming_the_flag(argv, message, capsys):
     assert message in one_line_error(["generate", "--max-new-tokens", "4", *argv], capsys)
@@ -125,6 +139,12 @@ def test_broken_model_files_exit_with_one_line_naming_the_file(tmp_path, edit, m
     target = broken_target(tmp_path, edit)
     error = one_line_error(["generate", "--target", str(target), "--max-new-tokens", "4"], capsys)
     assert message in error and str(target / "config.json") in error
+
+
+def test_a_draft_vocabulary_needs_token_counts(tmp_path, capsys):
+    target = broken_target(tmp_path, lambda text: text)
+    error = one_line_error(["generate", "--target", str(target), "--draft-vocab", "8", "--max-new-tokens", "4"], capsys)
+    assert f"no token counts at {target / 'token_counts.npy'}: write them with experiments/count_tokens.py" in error
 
 
 def test_ar_needs_no_drafter(capsys):

@@ -11,7 +11,17 @@ from scipy import stats
 
 from ddtree_jax import engine, oracle
 from ddtree_jax.engine import generate
-from ddtree_jax.models import DFlashConfig, Qwen3Config, Qwen3MoeConfig, init_drafter, init_target, target_logits
+from ddtree_jax.tree import build_tree
+from ddtree_jax.models import (
+    DFlashConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    init_drafter,
+    init_target,
+    target_logits,
+    drafter_forward,
+    with_draft_vocab,
+)
 
 
 def tiny_pair(vocab, seed=0, block_size=5, head_dim=8, moe=False):
@@ -112,6 +122,52 @@ def test_ddtree_sampling_has_the_ar_law_of_three_tokens(t, k, p, budget, cap, mo
     assert chi2_pvalue(first3, exact_ar_law(target, prompt, t, k, p, 3, vocab)) > 1e-3
     wrong = exact_ar_law(target, prompt, t * 1.5, k, p, 3, vocab)
     assert chi2_pvalue(first3, wrong) < 1e-6
+
+
+def test_greedy_ddtree_with_a_draft_vocabulary_reproduces_ar():
+    """Drafts from five of the eight tokens: the greedy output is still AR's."""
+    target, drafter = tiny_pair(vocab=8)
+    small = with_draft_vocab(drafter, target, [0, 2, 3, 5, 6])
+    res = generate(target, small, PROMPTS, **DDTREE)
+    np.testing.assert_array_equal(res.tokens, greedy_ar().tokens)
+    assert res.tau > 1.0
+
+
+def test_a_round_drafts_from_the_draft_vocabulary_only():
+    """The round's tree over a draft vocabulary: its drafted tokens are the draft vocabulary's ids, the tree
+    built from the drafter's W columns with those columns read as ids."""
+    target, drafter = tiny_pair(vocab=8)
+    ids = [0, 2, 3, 5, 6]
+    small = with_draft_vocab(drafter, target, ids)
+    spec = engine.make_spec(target, small, "ddtree", 12, None)
+    prompts, lengths = engine._pad_prompts(PROMPTS, 8)
+    state = engine.prefill(target, small, jnp.asarray(prompts), jnp.asarray(lengths), spec=spec, max_len=40,
+                           max_new_tokens=8)
+    tree, _ = engine._draft_tree(target, small, state, spec, 1.0, None)
+    ctx = jnp.zeros(state.ctx_feats.shape[:2], jnp.int32)  # no context to append: ctx_count is 0
+    draft_logits, _ = drafter_forward(small, target, state.drafter_cache, state.ctx_feats, ctx, state.ctx_count,
+                                      state.root, state.target_cache.lengths)
+    want = build_tree(draft_logits, jnp.zeros_like(state.root), budget=12)
+    num = np.asarray(tree.num_nodes)
+    np.testing.assert_array_equal(num, want.num_nodes)
+    for b, n in enumerate(num):
+        np.testing.assert_array_equal(tree.tokens[b, 1:n], np.asarray(ids)[np.asarray(want.tokens[b, 1:n])])
+    assert num.min() > 1
+
+
+@pytest.mark.slow
+def test_sampling_with_a_draft_vocabulary_has_the_ar_law_of_three_tokens():
+    """Drafts from four of the six tokens (the walk still emits the other two) at T = 1: the first three
+    tokens have the AR law, and a wrong temperature's law fails."""
+    vocab, samples, prompt = 6, 6000, [1, 4, 2]
+    target, drafter = tiny_pair(vocab=vocab, seed=3)
+    small = with_draft_vocab(drafter, target, [0, 1, 3, 4])
+    res = generate(target, small, [prompt] * samples, method="ddtree", budget=12, temperature=1.0,
+                   max_new_tokens=3, key=jax.random.key(7), with_expected=False)
+    assert res.tau > 1.2
+    first3 = res.tokens[:, :3]
+    assert chi2_pvalue(first3, exact_ar_law(target, prompt, 1.0, 0, 1.0, 3, vocab)) > 1e-3
+    assert chi2_pvalue(first3, exact_ar_law(target, prompt, 1.5, 0, 1.0, 3, vocab)) < 1e-6
 
 
 @pytest.mark.parametrize("moe", [False, True])

@@ -9,6 +9,7 @@ from ddtree_jax.models.dflash import (
     drafter_hidden,
     drafter_logits,
     init_drafter,
+    with_draft_vocab,
 )
 from ddtree_jax.models.params import DecoderLayer, DrafterParams, Model, MoeDecoderLayer, TargetParams
 from ddtree_jax.models.qwen3 import (
@@ -47,4 +48,5 @@ __all__ = [
     "target_forward",
     "target_forward_nocache",
     "target_logits",
+    "with_draft_vocab",
 ]

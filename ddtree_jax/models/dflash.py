@@ -123,9 +123,35 @@ def context_features(drafter: Drafter, ctx_feats_BCF, matmul=matmul_reference):
 
 
 def drafter_head(drafter: Drafter, target: Target, hidden_BQD, matmul=matmul_reference):
-    """Drafter final norm then the target's LM head: float32 logits ``[B, Q, V]``."""
-    h_BQD = rms_norm(hidden_BQD, drafter.params.final_norm, drafter.config.rms_norm_eps)
-    return project_vocab(target, h_BQD.astype(target.dtype), matmul)
+    """Drafter final norm then the target's LM head: float32 logits ``[B, Q, V]``; with a draft
+    vocabulary (`with_draft_vocab`), its columns only: ``[B, Q, W]``, column j for token
+    ``draft_ids[j]``."""
+    h_BQD = rms_norm(hidden_BQD, drafter.params.final_norm, drafter.config.rms_norm_eps).astype(target.dtype)
+    if drafter.params.draft_head is not None:
+        return L.project(matmul, h_BQD, drafter.params.draft_head, out_dtype=jnp.float32)
+    return project_vocab(target, h_BQD, matmul)
+
+
+def with_draft_vocab(drafter: Drafter, target: Target, token_ids) -> Drafter:
+    """The drafter drafting from the tokens ``token_ids`` only (a draft vocabulary: W distinct ids in
+    ``[0, V)``, any order; stored ascending): its head is the target LM head's W columns for them,
+    so the head streams ``W / V`` of the LM head's bytes. Verification is unchanged, so the output
+    keeps the target's law; a draft outside the W tokens is never proposed. ``token_ids=None``: the
+    whole vocabulary again."""
+    check_pair(drafter, target)
+    if token_ids is None:
+        return dataclasses.replace(drafter, params=dataclasses.replace(drafter.params, draft_ids=None,
+                                                                       draft_head=None))
+    ids = np.asarray(token_ids)
+    vocab = target.config.vocab_size
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token_ids must be a non-empty 1-D int array, got {ids.dtype} {ids.shape}")
+    if ids.min() < 0 or ids.max() >= vocab or np.unique(ids).size != ids.size:
+        raise ValueError(f"token_ids must be distinct ids in [0, {vocab}), got {ids.size} ids in "
+                         f"[{ids.min()}, {ids.max()}] ({ids.size - np.unique(ids).size} repeated)")
+    ids = jnp.asarray(np.sort(ids), jnp.int32)
+    head = target.params.embed[ids].T if target.params.lm_head is None else target.params.lm_head[:, ids]
+    return dataclasses.replace(drafter, params=dataclasses.replace(drafter.params, draft_ids=ids, draft_head=head))
 
 
 def _block_tokens(cfg: DFlashConfig, root_tokens_B):
@@ -229,8 +255,9 @@ def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_
     ``root_positions + arange(block_size)`` attends non-causally to all committed context and
     to itself (its K/V use the scratch region and are never committed).
     Returns ``draft_logits [B, block_size - 1, V]`` float32 (slot k predicts position
-    ``root_position + k``) and the cache. Needs ``lengths + C`` and
-    ``lengths + ctx_count + block_size`` within ``max_len`` (see `check_capacity`).
+    ``root_position + k``; ``[B, block_size - 1, W]`` with a draft vocabulary, see `drafter_head`)
+    and the cache. Needs ``lengths + C`` and ``lengths + ctx_count + block_size`` within ``max_len``
+    (see `check_capacity`).
     ``attention_impl``, ``matmul_impl``: each one of `kernels.IMPLS` (see `ddtree_jax.kernels`).
     ``mesh``: the ``("dp", "tp")`` mesh the drafter (replicated) and its cache (batch over ``"dp"``)
     are placed on, for the kernels to run per device inside ``shard_map`` with whole heads
@@ -255,7 +282,7 @@ def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_
 
 
 def drafter_logits(drafter: Drafter, target: Target, token_ids_BT):
-    """Draft logits ``[B, block_size - 1, V]`` for sequences ``[B, T]``, no cache.
+    """Draft logits ``[B, block_size - 1, V]`` (``W`` with a draft vocabulary) for sequences ``[B, T]``, no cache.
 
     Context = the first T - 1 tokens (their target taps, at positions ``0 .. T-2``); root =
     the last token at position T - 1; the block sees all context and itself.
@@ -274,13 +301,21 @@ def drafter_logits(drafter: Drafter, target: Target, token_ids_BT):
 
 
 def check_pair(drafter: Drafter, target: Target):
-    """``ValueError`` unless the drafter fits the target: same hidden size and vocabulary, and its
-    ``num_target_layers`` is the target's depth."""
+    """``ValueError`` unless the drafter fits the target: same hidden size and vocabulary, its
+    ``num_target_layers`` the target's depth, and a draft vocabulary, if any, of W ids with a
+    ``[D, W]`` head in the target's dtype."""
     d, t = drafter.config, target.config
     if d.hidden_size != t.hidden_size or d.vocab_size != t.vocab_size or d.num_target_layers != t.num_hidden_layers:
         raise ValueError(f"drafter (hidden_size={d.hidden_size}, vocab_size={d.vocab_size}, num_target_layers="
                          f"{d.num_target_layers}) does not match the target (hidden_size={t.hidden_size}, "
                          f"vocab_size={t.vocab_size}, num_hidden_layers={t.num_hidden_layers})")
+    ids, head = drafter.params.draft_ids, drafter.params.draft_head
+    if (ids is None) != (head is None):
+        raise ValueError("drafter.params.draft_ids and draft_head must be set together (with_draft_vocab)")
+    if ids is not None and (np.ndim(ids) != 1 or np.shape(head) != (t.hidden_size, np.shape(ids)[0])
+                            or jnp.result_type(ids) != jnp.int32 or jnp.result_type(head) != target.dtype):
+        raise ValueError(f"a draft vocabulary is int32 ids [W] and a {target.dtype} head [{t.hidden_size}, W], got "
+                         f"{jnp.result_type(ids)} {np.shape(ids)} and {jnp.result_type(head)} {np.shape(head)}")
 
 
 def _check_context(drafter, ctx_feats_BCF, ctx_positions_BC):

@@ -3,7 +3,7 @@
 Weights are in ``x @ W`` orientation (``[in, out]``); q/k/v and gate/up are fused into one matrix
 each, so a decoder layer runs two matmuls before attention and after it instead of five. Shape
 letters: D hidden, Dh head, Hq query heads, Hkv key/value heads, I MLP width (of one expert in a
-sparse layer), E experts, V vocabulary, F = (number of target taps) x D.
+sparse layer), E experts, V vocabulary, W a draft vocabulary, F = (number of target taps) x D.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 from typing import Generic, TypeVar
 
 import jax
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 
 def _pytree(cls):
@@ -73,12 +73,18 @@ class TargetParams:
 @_pytree
 class DrafterParams:
     """A DFlash drafter: the projection of the target's taps to one context feature per token,
-    its decoder layers and final norm (it borrows the target's embedding and LM head)."""
+    its decoder layers and final norm (it borrows the target's embedding and LM head).
+
+    ``draft_ids`` and ``draft_head`` (both or neither; `dflash.with_draft_vocab`): a draft vocabulary,
+    W token ids in ascending order and the target LM head's columns for them, with which the drafter
+    drafts from those W tokens only. ``None``: the whole vocabulary."""
 
     fc: Float[Array, "F D"]
     hidden_norm: Float[Array, " D"]
     layers: list[DecoderLayer]
     final_norm: Float[Array, " D"]
+    draft_ids: Int[Array, " W"] | None = None
+    draft_head: Float[Array, "D W"] | None = None
 
     @property
     def dtype(self):
