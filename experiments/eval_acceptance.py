@@ -8,6 +8,7 @@ cell (a run stopped midway keeps the cells it finished) and a PNG at the end.
     python experiments/eval_acceptance.py --prompts 100 --new-tokens 128
     python experiments/eval_acceptance.py --methods chain,ddtree64,ddtree16cap4   # B = 16 with a per-depth cap 4
     python experiments/eval_acceptance.py --methods chain,ddtree64 --temperatures 0 --draft-temperature 0.5,0.6
+    python experiments/eval_acceptance.py --methods ddtree16cap4 --draft-vocabs 0,2048   # drafts from 2,048 tokens
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from tqdm import tqdm  # noqa: E402
 
 from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from ddtree_jax.checkpoint import load_drafter, load_target  # noqa: E402
+from ddtree_jax.draft_vocab import load_counts, most_frequent  # noqa: E402
 from ddtree_jax.engine import generate  # noqa: E402
 from ddtree_jax.experiments import corpus  # noqa: E402
 from ddtree_jax.experiments.stats import bootstrap_ci, per_request_tau  # noqa: E402
+from ddtree_jax.models import with_draft_vocab  # noqa: E402
 from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -65,14 +68,27 @@ def parse_draft_temperatures(spec: str) -> list[float]:
     return out
 
 
-def grid(methods, temperatures, draft_temperatures) -> list[tuple[str, str, int, int, float, float]]:
-    """The cells ``(label, method, budget, topk_cap, temperature, draft_temperature)``: every method at
-    every temperature, the drafted ones at every draft temperature (labelled ``"... dtX"`` when there
-    are several), AR once per temperature."""
+def parse_draft_vocabs(spec: str) -> list[int]:
+    """``"0,2048"`` -> ``[0, 2048]``: draft vocabulary sizes, ints >= 0 (0 = the whole vocabulary)."""
+    out = []
+    for item in spec.split(","):
+        if not item.isdigit():
+            raise ValueError(f"--draft-vocabs: {item!r} is not an int >= 0")
+        out.append(int(item))
+    return out
+
+
+def grid(methods, temperatures, draft_temperatures, draft_vocabs=(0,)) -> list[tuple]:
+    """The cells ``(label, method, budget, topk_cap, temperature, draft_temperature, draft_vocab)``:
+    every method at every temperature, the drafted ones at every draft temperature (labelled ``"...
+    dtX"`` when there are several) and draft vocabulary (``"... vW"`` for W > 0), AR once per
+    temperature."""
     several = len(draft_temperatures) > 1
-    return [(f"{label} dt{dt:g}" if several and method != "ar" else label, method, budget, cap, t, dt)
+    return [((f"{label} dt{dt:g}" if several and method != "ar" else label) + (f" v{w}" if w else ""),
+             method, budget, cap, t, dt, w)
             for t in temperatures for label, method, budget, cap in methods
-            for dt in (draft_temperatures[:1] if method == "ar" else draft_temperatures)]
+            for dt in (draft_temperatures[:1] if method == "ar" else draft_temperatures)
+            for w in ((0,) if method == "ar" else draft_vocabs)]
 
 
 def plot(rows, path):
@@ -120,6 +136,9 @@ def main(argv=None):
     ap.add_argument("--draft-temperature", default="1",
                     help="temperature of the draft marginals the chain and DDTree draft from; a comma-separated "
                          "list runs every drafted cell at each, in one process (default: 1)")
+    ap.add_argument("--draft-vocabs", default="0",
+                    help="comma-separated draft vocabulary sizes: the chain and DDTree draft from that many most "
+                         "frequent tokens (counts: <target>/token_counts.npy); 0 = the whole vocabulary (default: 0)")
     ap.add_argument("--topk-cap", type=int, default=0, help="DDTree per-depth cap of ddtreeB methods; 0 = none")
     ap.add_argument("--batch", type=int, default=100, help="prompts per generate call (default: 100)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of the coins (default: 0)")
@@ -128,22 +147,26 @@ def main(argv=None):
                     help="output path without suffix: .json, .csv and .png are written")
     args = ap.parse_args(argv)
     draft_temperatures = parse_draft_temperatures(args.draft_temperature)
+    draft_vocabs = parse_draft_vocabs(args.draft_vocabs)
 
     dtype = jnp.dtype(args.dtype)
     target, drafter = load_target(args.target, dtype), load_drafter(args.drafter, dtype)
     tokenizer = Tokenizer.from_file(args.target / "tokenizer.json")
     prompts = corpus.heldout_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
     cells = grid(parse_methods(args.methods, args.topk_cap), [float(t) for t in args.temperatures.split(",")],
-                 draft_temperatures)
+                 draft_temperatures, draft_vocabs)
+    counts = load_counts(args.target, target.config.vocab_size) if any(draft_vocabs) else None
+    drafters = {w: with_draft_vocab(drafter, target, most_frequent(counts, w) if w else None) for w in draft_vocabs}
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                 python=sys.version.split()[0], command=" ".join(sys.argv))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    for label, method, budget, cap, temperature, draft_temperature in tqdm(cells, desc="cells"):
+    for label, method, budget, cap, temperature, draft_temperature, draft_vocab in tqdm(cells, desc="cells"):
         emitted, rounds, expected, seconds = [], [], [], 0.0
         for start in range(0, len(prompts), args.batch):
-            res = generate(target, drafter, prompts[start:start + args.batch], method=method, budget=budget,
-                           topk_cap=cap or None, temperature=temperature, draft_temperature=draft_temperature,
+            res = generate(target, drafters[draft_vocab], prompts[start:start + args.batch], method=method,
+                           budget=budget, topk_cap=cap or None, temperature=temperature,
+                           draft_temperature=draft_temperature,
                            max_new_tokens=args.new_tokens, key=jax.random.key(args.seed),
                            request_ids=np.arange(start, start + len(prompts[start:start + args.batch])))
             e, r = per_request_tau(res)
@@ -155,7 +178,7 @@ def main(argv=None):
         emitted, rounds, expected = np.concatenate(emitted), np.concatenate(rounds), np.concatenate(expected)
         lo, hi = bootstrap_ci(emitted, rounds, seed=args.seed)
         row = dict(label=label, method=method, budget=budget, topk_cap=cap, temperature=temperature,
-                   draft_temperature=draft_temperature,
+                   draft_temperature=draft_temperature, draft_vocab=draft_vocab,
                    tau=float(emitted.sum() / rounds.sum()), tau_lo=lo, tau_hi=hi,
                    expected_accepted=float(expected.mean()), measured_accepted=float(emitted.sum() / rounds.sum() - 1),
                    prompts=len(prompts), new_tokens=args.new_tokens, tokens_per_s=float(emitted.sum() / seconds))

@@ -68,6 +68,24 @@ def test_rooflines_read_the_weights_and_the_kv_caches_of_the_batch_and_context()
     assert round_ - round0 == pytest.approx(1e3 * (target_kv + drafter_kv) / hbm)
 
 
+def test_a_draft_vocabulary_streams_its_own_head_in_the_round(tmp_path):
+    """With ``--draft-vocab W`` the round's floor reads the drafter's W-column head instead of a second pass
+    over the LM head, and the rows are timed and say W."""
+    target, drafter = bench.make_models("tiny")
+    _, small = bench.make_models("tiny", draft_vocab=64)
+    assert small.params.draft_ids.tolist() == list(range(64))
+    head = bench.weight_bytes(target.params.embed if target.params.lm_head is None else target.params.lm_head)
+    (_, full), (_, pruned) = (bench.rooflines(target, d, 1e12, batch=1, context=8) for d in (drafter, small))
+    own = bench.weight_bytes((small.params.draft_head, small.params.draft_ids))
+    assert full - pruned == pytest.approx(1e3 * (head - own) / 1e12)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "tiny", "--batches", "1", "--contexts", "16", "--budgets", "4", "--repeats", "1",
+            "--draft-vocab", "64", "--out", str(out)]
+    assert cli.main(argv) == 0
+    (row,) = json.loads(out.read_text())["shapes"]
+    assert row["draft_vocab"] == 64 and row["round_ms"] > 0 and row["drafter_ms"] > 0
+
+
 def test_back_to_back_queues_the_calls_and_blocks_once():
     """`bench.back_to_back_ms` calls ``fn`` ``steps`` times per timed repeat (plus a warm repeat) and
     divides by ``steps``."""

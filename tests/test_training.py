@@ -268,10 +268,16 @@ def test_eval_acceptance_methods():
             eval_acceptance.parse_draft_temperatures(bad)
     methods = eval_acceptance.parse_methods("ar,chain,ddtree8")
     assert eval_acceptance.grid(methods, [0.0, 1.0], [0.5, 1.0]) == [
-        (label, method, budget, 0, t, dt) for t in (0.0, 1.0) for label, method, budget, dt in (
+        (label, method, budget, 0, t, dt, 0) for t in (0.0, 1.0) for label, method, budget, dt in (
             ("ar", "ar", 1, 0.5), ("chain dt0.5", "chain", 1, 0.5), ("chain dt1", "chain", 1, 1.0),
             ("ddtree8 dt0.5", "ddtree", 8, 0.5), ("ddtree8 dt1", "ddtree", 8, 1.0))]
     assert [cell[0] for cell in eval_acceptance.grid(methods, [0.0], [0.6])] == ["ar", "chain", "ddtree8"]
+    assert eval_acceptance.parse_draft_vocabs("0,2048") == [0, 2048]
+    for bad in ("-1", "x", "1,,2"):
+        with pytest.raises(ValueError, match="--draft-vocabs"):
+            eval_acceptance.parse_draft_vocabs(bad)
+    assert [(cell[0], cell[-1]) for cell in eval_acceptance.grid(methods, [0.0], [0.6], [0, 512])] == [
+        ("ar", 0), ("chain", 0), ("chain v512", 512), ("ddtree8", 0), ("ddtree8 v512", 512)]
 
 
 def test_generation_stops_at_its_deadline():

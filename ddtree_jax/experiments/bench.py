@@ -63,11 +63,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import checks, costs, engine, kernels, sharding
+from ddtree_jax.draft_vocab import load_counts, most_frequent
 from ddtree_jax.experiments import profiling
 from ddtree_jax.experiments.provenance import command_line
 from ddtree_jax.models import (
     DFlashConfig, KVCache, Qwen3Config, Qwen3MoeConfig, commit, drafter_forward, init_cache, init_drafter, init_target,
-    target_forward,
+    target_forward, with_draft_vocab,
 )
 from ddtree_jax.sampling import coins_from_keys, request_keys
 from ddtree_jax.tree import tree_attention_mask, tree_positions
@@ -167,8 +168,10 @@ def weight_bytes(params) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
 
 
-def make_models(shapes: str):
-    """Target and drafter of the named shapes with random weights (bf16 off the CPU)."""
+def make_models(shapes: str, draft_vocab: int = 0):
+    """Target and drafter of the named shapes with random weights (bf16 off the CPU); with ``draft_vocab``
+    W > 0, the drafter drafts from the W lowest token ids (`dflash.with_draft_vocab`; with random weights
+    which W ids does not change a time)."""
     s = SHAPES[shapes]
     t = s["target"]
     shared = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -176,7 +179,8 @@ def make_models(shapes: str):
     dc = DFlashConfig(**{k: t[k] for k in shared}, mask_token_id=t["vocab_size"] - 1,
                       num_target_layers=t["num_hidden_layers"], **s["drafter"])
     config = (Qwen3MoeConfig if "num_experts" in t else Qwen3Config)(**t)
-    return init_target(config, jax.random.key(0)), init_drafter(dc, jax.random.key(1))
+    target, drafter = init_target(config, jax.random.key(0)), init_drafter(dc, jax.random.key(1))
+    return target, with_draft_vocab(drafter, target, np.arange(draft_vocab) if draft_vocab else None)
 
 
 def make_state(target, drafter, spec, batch, context, max_new=4096) -> engine.DecodeState:
@@ -318,9 +322,11 @@ def cache_bytes(model, batch: int, context: int) -> int:
 def rooflines(target, drafter, hbm_bytes_per_s: float, batch: int, context: int) -> tuple[float, float]:
     """(decode step, DDTree round) HBM floors in ms at ``batch`` requests of ``context`` committed
     tokens: the weights and KV caches each must read once (the round adds the drafter's weights and
-    context cache and a second pass over the LM head)."""
+    context cache and a second pass over the LM head, or the drafter's own head over a draft vocabulary,
+    which its weights hold)."""
     p = target.params
-    head_bytes = weight_bytes(p.embed if p.lm_head is None else p.lm_head)
+    head_bytes = 0 if drafter.params.draft_head is not None else weight_bytes(p.embed if p.lm_head is None
+                                                                              else p.lm_head)
     decode = 1e3 * (streamed_bytes(target) + cache_bytes(target, batch, context)) / hbm_bytes_per_s
     drafter_bytes = weight_bytes(drafter.params) + head_bytes + cache_bytes(drafter, batch, context)
     return decode, decode + 1e3 * drafter_bytes / hbm_bytes_per_s
@@ -328,7 +334,7 @@ def rooflines(target, drafter, hbm_bytes_per_s: float, batch: int, context: int)
 
 def bench_shapes(args, emit) -> None:
     """Part 1: calls ``emit(row)`` per (batch, context, budget)."""
-    target, drafter = make_models(args.shapes)
+    target, drafter = make_models(args.shapes, args.draft_vocab)
     on_cpu = jax.default_backend() == "cpu"  # no HBM: a bandwidth floor means nothing there
     if on_cpu:
         print("roofline n/a on a CPU", flush=True)
@@ -359,7 +365,8 @@ def bench_shapes(args, emit) -> None:
                 round_first_s = first_call_s(run)
                 round_ms = median_ms(run, args.repeats)
                 round_b2b_ms = back_to_back_ms(run, args.repeats)
-                row = dict(batch=batch, context=context, budget=budget, attention_impl=spec.attention_impl,
+                row = dict(batch=batch, context=context, budget=budget, draft_vocab=args.draft_vocab,
+                           attention_impl=spec.attention_impl,
                            sampler_impl=spec.sampler_impl, build_impl=spec.build_impl, decode_ms=decode_ms,
                            round_ms=round_ms,
                            decode_back_to_back_ms=decode_b2b_ms, round_back_to_back_ms=round_b2b_ms,
@@ -427,7 +434,7 @@ def bench_generate(args, emit) -> None:
     length) and method: the per-round wall time of ``generate`` (its rounds' time over the rounds),
     tokens/s, the time to the first streamed token (prefill and first round, warm), the jitted round
     alone and their ratio; and the prefill against its matmul-FLOP roofline."""
-    target, drafter = make_models(args.shapes)
+    target, drafter = make_models(args.shapes, args.draft_vocab)
     impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
                  build_impl=args.build_impl)
     methods = [("ar", 1), ("chain", 1)] + [("ddtree", b) for b in args.budgets]
@@ -486,6 +493,9 @@ def bench_embedded(args, emit) -> None:
 
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     target, drafter = load_target(TARGET_DIR, dtype), load_drafter(DRAFTER_DIR, dtype)
+    if args.draft_vocab:
+        counts = load_counts(TARGET_DIR, target.config.vocab_size)
+        drafter = with_draft_vocab(drafter, target, most_frequent(counts, args.draft_vocab))
     tokenizer = Tokenizer.from_file(TARGET_DIR / "tokenizer.json")
     prompts = corpus.heldout_prompts(tokenizer, max(args.embedded_batches), 64, seed=0)
     for batch in args.embedded_batches:
@@ -503,7 +513,7 @@ def bench_embedded(args, emit) -> None:
                 res = generate(max_new_tokens=args.new_tokens)
                 base = base or res.tokens_per_s
                 emit(dict(batch=batch, temperature=temperature, draft_temperature=args.draft_temperature,
-                          method=method, budget=budget, tau=res.tau,
+                          draft_vocab=args.draft_vocab, method=method, budget=budget, tau=res.tau,
                           acceptance_length=res.acceptance_length, tokens_per_s=res.tokens_per_s,
                           speedup_over_ar=res.tokens_per_s / base))
                 print(f"embedded batch {batch} T={temperature:g} {method:>6} B={budget}: tau {res.tau:.2f}, "
@@ -586,6 +596,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedded-batches", type=_ints, help="part 2 batch sizes " + preset("embedded_batches"))
     p.add_argument("--embedded-budgets", type=_ints, help="part 2 DDTree node budgets " + preset("embedded_budgets"))
     p.add_argument("--new-tokens", type=int, help="tokens per request in part 2 " + preset("new_tokens"))
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="the drafter drafts from this many tokens (parts 1 and 3: the lowest ids; part 2: the most "
+                        "frequent, by the embedded target's token counts); 0 = the whole vocabulary")
     p.add_argument("--draft-temperature", type=float, default=1.0,
                    help="temperature of the draft marginals the chain and DDTree draft from in part 2")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="JSON output")
@@ -601,6 +614,7 @@ def run_from_args(args) -> int:
                         ("top_k", lambda v: v >= 0, ">= 0"), ("topk_cap", lambda v: v >= 0, ">= 0"),
                         ("repeats", lambda v: v >= 1, ">= 1"), ("new_tokens", lambda v: v >= 1, ">= 1"),
                         ("hbm_tbps", lambda v: v > 0, "> 0"), ("profile_ops", lambda v: v >= 1, ">= 1"),
+                        ("draft_vocab", lambda v: v >= 0, ">= 0 (0 = the whole vocabulary)"),
                         ("draft_temperature", lambda v: math.isfinite(v) and v > 0, "finite and > 0")])
     device = jax.devices()[0].device_kind
     print(f"device {device}, jax {jax.__version__}", flush=True)
