@@ -20,12 +20,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+import tokenizers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from ddtree_jax.assets import TARGET_DIR  # noqa: E402
 from ddtree_jax.draft_vocab import COUNTS_FILE, token_counts  # noqa: E402
 from ddtree_jax.experiments.corpus import list_files, read_text  # noqa: E402
-from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
+from ddtree_jax.tokenizer import EOT_TOKEN  # noqa: E402
 
 BATCH_FILES = 64
 
@@ -39,7 +40,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.max_files < 0:
         raise ValueError(f"--max-files must be >= 0, got {args.max_files}")
-    tokenizer = Tokenizer.from_file(args.target / "tokenizer.json")
+    path = args.target / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"--target {args.target} has no tokenizer.json")
+    tokenizer = tokenizers.Tokenizer.from_file(str(path))  # any HF tokenizer, the special tokens it has
+    eot = [] if tokenizer.token_to_id(EOT_TOKEN) is None else [tokenizer.token_to_id(EOT_TOKEN)]
     vocab = json.loads((args.target / "config.json").read_text())["vocab_size"]
     files = sorted(Path(p) for p in glob.glob(args.files, recursive=True)) if args.files else list_files("train")
     files = files[: args.max_files or None]
@@ -47,9 +52,10 @@ def main(argv=None) -> int:
         raise ValueError(f"--files {args.files!r} matches no file")
     start = time.perf_counter()
     batches = (files[i: i + BATCH_FILES] for i in range(0, len(files), BATCH_FILES))
-    counts = token_counts((ids + [tokenizer.eot_id]  # each file ends in end-of-text, as in training
+    counts = token_counts((e.ids + eot  # each file ends in end-of-text, as in training
                            for batch in tqdm(batches, total=-(-len(files) // BATCH_FILES), unit="batch")
-                           for ids in tokenizer.encode_batch([read_text(p) for p in batch])), vocab)
+                           for e in tokenizer.encode_batch([read_text(p) for p in batch], add_special_tokens=False)),
+                          vocab)
     out = args.out or args.target / COUNTS_FILE
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, counts)

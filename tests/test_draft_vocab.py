@@ -102,3 +102,22 @@ def test_bad_draft_vocabularies_get_clear_errors(tmp_path):
     wrong = small.params.__class__(**{**vars(small.params), "draft_ids": small.params.draft_ids.astype(jnp.int16)})
     with pytest.raises(ValueError, match="int32 ids"):
         with_draft_vocab(small.__class__(config=small.config, params=wrong), target, IDS)
+
+
+def test_count_tokens_counts_every_file_and_its_end_of_text(tmp_path):
+    """`experiments/count_tokens.py` over two text files: each file's ids once, plus one end-of-text each."""
+    from experiments import count_tokens
+    from ddtree_jax.assets import TARGET_DIR
+    from ddtree_jax.tokenizer import Tokenizer
+
+    texts = ["def f(x):\n    return x\n", "import os\nprint(os.sep)\n"]
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text)
+    out = tmp_path / "counts.npy"
+    assert count_tokens.main(["--files", str(tmp_path / "*.txt"), "--out", str(out)]) == 0
+    tok = Tokenizer.from_file(TARGET_DIR / "tokenizer.json")
+    oracle = collections.Counter(t for text in texts for t in tok.encode(text) + [tok.eot_id])
+    counts = np.load(out)
+    assert counts.shape == (tok.vocab_size,) and counts.tolist() == [oracle[i] for i in range(tok.vocab_size)]
+    with pytest.raises(ValueError, match="matches no file"):
+        count_tokens.main(["--files", str(tmp_path / "*.md"), "--out", str(out)])
