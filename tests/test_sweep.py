@@ -123,6 +123,28 @@ def test_tiny_sweep_resumes_and_plots(tmp_path, monkeypatch):
         assert cell["accepted"] == pytest.approx(cell["tau"] - 1)
 
 
+def test_draft_vocabularies_are_a_grid_axis(tmp_path):
+    """``draft_vocabs``: every drafted cell at each size, AR once (it has no drafter); greedy cells keep AR's
+    tokens, so their tau is at least 1; a CSV written before the column reads as the whole vocabulary."""
+    grid = Grid(methods=("ar", "chain", "ddtree"), budgets=(4,), topk_caps=(0,), temperatures=(0.0,), top_ps=(1.0,),
+                top_ks=(0,), draft_temperatures=(1.0,), draft_vocabs=(0, 512))
+    assert [(c.method, c.draft_vocab) for c in grid_cells(grid, depth=15)] == [
+        ("ar", 0), ("chain", 0), ("chain", 512), ("ddtree", 0), ("ddtree", 512)]
+    _, settings, out = tiny(tmp_path, (0.0,))
+    rows = run_sweep(grid, settings, out)
+    assert sorted({(r["method"], r["draft_vocab"]) for r in rows}) == [
+        ("ar", 0), ("chain", 0), ("chain", 512), ("ddtree", 0), ("ddtree", 512)]
+    assert all(r["tau"] >= 1 for r in rows)
+    header, *lines = out.read_text().splitlines()
+    names = header.split(",")
+    old = [",".join(v for n, v in zip(names, line.split(",")) if n != "draft_vocab")
+           for line in [header, *lines] if "512" not in line.split(",")[names.index("draft_vocab")]]
+    out.write_text("\n".join(old) + "\n")
+    assert {r["draft_vocab"] for r in read_rows(out)} == {0} and len(read_rows(out)) == 3 * 2
+    with pytest.raises(ValueError, match="draft_vocabs must be >= 0"):
+        dataclasses.replace(grid, draft_vocabs=(-1,))
+
+
 def test_mismatched_model_directory_is_rejected(tmp_path):
     grid, settings, out = tiny(tmp_path, (0.0,))
     with pytest.raises(ValueError, match="no config.json"):

@@ -12,6 +12,8 @@
   tempered to the target temperature (T < 1);
 - ``NAME_budget_policies.png``: per target temperature, expected accepted drafts per verified draft
   and the projected tokens/s (from the ``model_ms`` column) vs the budget, a line per budget policy;
+- ``NAME_draft_vocab.png``: tau vs the draft vocabulary size per target temperature, a line per
+  drafted method and budget;
 - ``NAME_tempering.csv``: for every DDTree cell at a temperature 0 < T != 1 (no truncation) that
   also ran with draft temperature T, tau(draft temperature 1) - tau(draft temperature T) with a
   paired 95% bootstrap interval (same prompts and coins in both cells);
@@ -20,7 +22,8 @@
   verified draft and of projected tokens/s, and the projected tokens/s against the best fixed budget,
   with paired 95% bootstrap intervals over ``generate`` calls.
 
-Every figure but ``_budget_policies`` shows the fixed budget policy only.
+Every figure but ``_budget_policies`` shows the fixed budget policy only, and every figure but
+``_draft_vocab`` the whole vocabulary.
 
 ``ddtree sweep`` calls `plot_csv` at the end of a run (``--no-plot`` to skip);
 ``python experiments/plot.py CSV...`` redraws the figures of existing CSVs.
@@ -38,7 +41,7 @@ import numpy as np
 from ddtree_jax.experiments.stats import bootstrap_ci, paired_bootstrap_change, paired_bootstrap_diff
 from ddtree_jax.experiments.sweep import CELL_FIELDS, cell_of, read_rows
 
-BASE = dict(top_p=1.0, top_k=0, draft_temperature=1.0, budget_policy="fixed")
+BASE = dict(top_p=1.0, top_k=0, draft_temperature=1.0, budget_policy="fixed", draft_vocab=0)
 
 
 def summarise(rows: list[dict], *, seed: int = 0) -> list[dict]:
@@ -146,7 +149,7 @@ def plot_measured_vs_expected(summary: list[dict]):
     temps = sorted({c["temperature"] for c in summary})
     for i, t in enumerate(temps):
         for method, marker in (("ddtree", "o"), ("chain", "s")):
-            cells = select(summary, temperature=t, method=method, budget_policy="fixed")
+            cells = select(summary, temperature=t, method=method, budget_policy="fixed", draft_vocab=0)
             if not cells:
                 continue
             _errorbar(ax, [c["expected"] for c in cells], cells, stat="accepted", color=f"C{i}", linestyle="none",
@@ -166,7 +169,7 @@ def plot_truncation(summary: list[dict]):
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
     if t is None:
         return fig
-    cells = [c for c in select(summary, temperature=t, draft_temperature=1.0, budget_policy="fixed")
+    cells = [c for c in select(summary, temperature=t, draft_temperature=1.0, budget_policy="fixed", draft_vocab=0)
              if c["method"] != "ar"]
     panels = (("top_p", dict(top_k=0), lambda v: -v, "top-p (top-k off)", lambda v: "off" if v == 1 else f"{v:g}"),
               ("top_k", dict(top_p=1.0), lambda v: -v if v else -np.inf, "top-k (top-p off)",
@@ -194,7 +197,7 @@ def plot_draft_temperature(summary: list[dict]):
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     if t is None:
         return fig
-    trees = select(summary, method="ddtree", top_p=1.0, top_k=0, budget_policy="fixed")
+    trees = select(summary, method="ddtree", top_p=1.0, top_k=0, budget_policy="fixed", draft_vocab=0)
     at_t = select(trees, temperature=t)
     for key in sorted({(c["budget"], c["topk_cap"]) for c in at_t}):
         line = sorted(select(at_t, budget=key[0], topk_cap=key[1]), key=lambda c: c["draft_temperature"])
@@ -225,7 +228,7 @@ def plot_budget_policies(summary: list[dict]):
     temps = sorted({c["temperature"] for c in summary})
     fig, axes = plt.subplots(2, len(temps), figsize=(4.5 * len(temps), 7), squeeze=False)
     for col, t in enumerate(temps):
-        base = select(summary, temperature=t, top_p=1.0, top_k=0, draft_temperature=1.0)
+        base = select(summary, temperature=t, top_p=1.0, top_k=0, draft_temperature=1.0, draft_vocab=0)
         trees = select(base, method="ddtree", topk_cap=0)
         for policy in sorted({c["budget_policy"] for c in trees}):
             line = sorted(select(trees, budget_policy=policy), key=lambda c: c["budget"])
@@ -247,12 +250,38 @@ def plot_budget_policies(summary: list[dict]):
     return fig
 
 
+def plot_draft_vocab(summary: list[dict]):
+    """tau vs the draft vocabulary size, a panel per temperature, a line per drafted method and budget
+    (no truncation, draft temperature 1, the fixed policy); the whole vocabulary rightmost."""
+    temps = sorted({c["temperature"] for c in summary})
+    fig, axes = plt.subplots(1, len(temps), figsize=(4.5 * len(temps), 3.8), sharey=True, squeeze=False)
+    cells = [c for c in select(summary, top_p=1.0, top_k=0, draft_temperature=1.0, budget_policy="fixed")
+             if c["method"] != "ar"]
+    sizes = sorted({c["draft_vocab"] for c in cells}, key=lambda w: w or np.inf)
+    for ax, t in zip(axes[0], temps):
+        at_t = select(cells, temperature=t)
+        for key in sorted({(c["method"], c["budget"], c["topk_cap"]) for c in at_t}):
+            line = sorted(select(at_t, method=key[0], budget=key[1], topk_cap=key[2]),
+                          key=lambda c: c["draft_vocab"] or np.inf)
+            label = "DFlash chain" if key[0] == "chain" else _tree_label(line[0])
+            _errorbar(ax, [sizes.index(c["draft_vocab"]) for c in line], line, label=label)
+        ax.set_xticks(range(len(sizes)), [f"{w:,}" if w else "all" for w in sizes])
+        ax.set(title=f"T = {t:g}", xlabel="draft vocabulary (most frequent tokens)")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("tau (tokens per round)")
+    if axes[0, -1].get_legend_handles_labels()[0]:
+        axes[0, -1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = {
     "tau_vs_budget": plot_tau_vs_budget,
     "measured_vs_expected": plot_measured_vs_expected,
     "truncation": plot_truncation,
     "draft_temperature": plot_draft_temperature,
     "budget_policies": plot_budget_policies,
+    "draft_vocab": plot_draft_vocab,
 }
 
 

@@ -1,9 +1,11 @@
 """Parameter sweeps: acceptance and speed of AR, DFlash chain and DDTree over a grid of settings.
 
 A *cell* is one setting of every knob: method, node budget, top-k cap, target temperature, top-p,
-top-k, draft temperature and budget policy (`ddtree_jax.budget`). The grid is the product of the
-knob lists, canonicalised so that knobs a cell ignores take their neutral value and duplicates
-vanish: AR has no tree (budget 0, cap 0) and no drafter (draft temperature 1); the chain is the
+top-k, draft temperature, budget policy (`ddtree_jax.budget`) and draft vocabulary (the drafter
+drafts from the W most frequent tokens, `ddtree_jax.draft_vocab`; 0 = all). The grid is the product
+of the knob lists, canonicalised so that knobs a cell ignores take their neutral value and
+duplicates vanish: AR has no tree (budget 0, cap 0) and no drafter (draft temperature 1, draft
+vocabulary 0); the chain is the
 drafter's argmax per slot (budget L, cap 1, draft temperature 1); both have the fixed policy; greedy
 cells (temperature 0) have top-p 1 and top-k 0; a cap of at least the budget is no cap (0). Top-p
 and top-k vary one at a time (the other off) unless ``cross_truncation``.
@@ -44,10 +46,12 @@ from ddtree_jax import costs
 from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR, TOKENIZER_PATH
 from ddtree_jax.budget import POLICIES
 from ddtree_jax.checkpoint import load_drafter, load_target
+from ddtree_jax.draft_vocab import load_counts, most_frequent
 from ddtree_jax.engine import METHODS, generate
 from ddtree_jax.experiments import corpus
 from ddtree_jax.experiments.provenance import command_line
 from ddtree_jax.experiments.stats import per_request_tau
+from ddtree_jax.models import with_draft_vocab
 from ddtree_jax.tokenizer import Tokenizer
 
 
@@ -63,6 +67,7 @@ class Cell:
     top_k: int
     draft_temperature: float
     budget_policy: str = "fixed"
+    draft_vocab: int = 0
 
 
 CELL_FIELDS = tuple(f.name for f in dataclasses.fields(Cell))
@@ -81,6 +86,7 @@ class Grid:
     draft_temperatures: tuple[float, ...]
     cross_truncation: bool = False
     budget_policies: tuple[str, ...] = ("fixed",)
+    draft_vocabs: tuple[int, ...] = (0,)
 
     def __post_init__(self):
         _check_values("methods", self.methods, lambda m: m in METHODS, f"one of {METHODS}")
@@ -92,6 +98,7 @@ class Grid:
         _check_values("draft_temperatures", self.draft_temperatures, lambda t: np.isfinite(t) and t > 0,
                       "finite and > 0")
         _check_values("budget_policies", self.budget_policies, lambda p: p in POLICIES, f"one of {POLICIES}")
+        _check_values("draft_vocabs", self.draft_vocabs, lambda w: w >= 0, ">= 0 (0 = the whole vocabulary)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +134,7 @@ RESUME_FIELDS = ("target", "drafter", "dtype", "prompts", "prompt_tokens", "new_
 # Column -> parser; the CSV holds exactly these columns in this order.
 COLUMNS = {
     "method": str, "budget": int, "topk_cap": int, "temperature": float, "top_p": float, "top_k": int,
-    "draft_temperature": float, "budget_policy": str,
+    "draft_temperature": float, "budget_policy": str, "draft_vocab": int,
     "prompt": int, "emitted": int, "rounds": int, "tau": float, "expected_accepted": float,
     "mean_tree_size": float, "model_ms": float, "tokens_per_s": float, "cell_seconds": float,
     "prompts": int, "prompt_tokens": int, "new_tokens": int, "prompt_seed": int, "seed": int, "batch": int,
@@ -135,16 +142,17 @@ COLUMNS = {
     "date": str,
 }
 # The values of the columns added after the first sweeps, for CSVs written before them.
-ADDED_COLUMNS = {"budget_policy": "fixed", "model_ms": "0", "cost_table": "device"}
+ADDED_COLUMNS = {"budget_policy": "fixed", "model_ms": "0", "cost_table": "device", "draft_vocab": "0"}
 
 GRID_FLAGS = ("methods", "budgets", "topk_caps", "temperatures", "top_ps", "top_ks", "draft_temperatures",
-              "budget_policies")
+              "budget_policies", "draft_vocabs")
 QUICK = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 16, 64), topk_caps=(0,), temperatures=(0.0, 0.5, 1.0),
              top_ps=(1.0, 0.8), top_ks=(0, 8), draft_temperatures=(0.5, 1.0, 2.0), budget_policies=("fixed",),
-             prompts=6, prompt_tokens=48, new_tokens=24, out="ddtree-sweep/sweep_quick.csv")
+             draft_vocabs=(0,), prompts=6, prompt_tokens=48, new_tokens=24, out="ddtree-sweep/sweep_quick.csv")
 FULL = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 8, 16, 32, 64, 128, 256), topk_caps=(0, 8),
             temperatures=(0.0, 0.6, 1.0), top_ps=(1.0, 0.95, 0.8), top_ks=(0, 20, 5),
-            draft_temperatures=(0.4, 0.6, 1.0, 1.5), budget_policies=("fixed",), prompts=64, prompt_tokens=64,
+            draft_temperatures=(0.4, 0.6, 1.0, 1.5), budget_policies=("fixed",), draft_vocabs=(0,), prompts=64,
+            prompt_tokens=64,
             new_tokens=128, out="ddtree-sweep/sweep.csv")
 
 
@@ -161,7 +169,8 @@ def canonical(cell: Cell, depth: int) -> Cell:
     if cell.temperature == 0:
         cell = dataclasses.replace(cell, top_p=1.0, top_k=0)
     if cell.method == "ar":
-        return dataclasses.replace(cell, budget=0, topk_cap=0, draft_temperature=1.0, budget_policy="fixed")
+        return dataclasses.replace(cell, budget=0, topk_cap=0, draft_temperature=1.0, budget_policy="fixed",
+                                   draft_vocab=0)
     if cell.method == "chain":
         return dataclasses.replace(cell, budget=depth, topk_cap=1, draft_temperature=1.0, budget_policy="fixed")
     return dataclasses.replace(cell, topk_cap=0) if cell.topk_cap >= cell.budget else cell
@@ -177,17 +186,18 @@ def truncations(grid: Grid) -> list[tuple[float, int]]:
 def grid_cells(grid: Grid, depth: int) -> list[Cell]:
     """The distinct canonical cells of ``grid``, ordered so that cells sharing a compiled round are adjacent."""
     cells = {
-        canonical(Cell(m, b, c, float(t), float(p), int(k), float(d), policy), depth)
-        for m, b, c, t, (p, k), d, policy in itertools.product(grid.methods, grid.budgets, grid.topk_caps,
-                                                               grid.temperatures, truncations(grid),
-                                                               grid.draft_temperatures, grid.budget_policies)
+        canonical(Cell(m, b, c, float(t), float(p), int(k), float(d), policy, int(w)), depth)
+        for m, b, c, t, (p, k), d, policy, w in itertools.product(grid.methods, grid.budgets, grid.topk_caps,
+                                                                  grid.temperatures, truncations(grid),
+                                                                  grid.draft_temperatures, grid.budget_policies,
+                                                                  grid.draft_vocabs)
     }
     return sorted(cells, key=lambda c: (METHODS.index(c.method), c.budget, c.topk_cap, c.budget_policy, c))
 
 
 def cell_of(row: dict) -> Cell:
-    """The cell a CSV row belongs to (the fixed policy for a row without one)."""
-    return Cell(*(row[f] for f in CELL_FIELDS[:-1]), row.get("budget_policy", "fixed"))
+    """The cell a CSV row belongs to (the fixed policy and the whole vocabulary for a row without them)."""
+    return Cell(*(row[f] for f in CELL_FIELDS[:-2]), row.get("budget_policy", "fixed"), row.get("draft_vocab", 0))
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -306,6 +316,10 @@ def run_sweep(grid: Grid, settings: Settings, out: str | Path, *, tokenizer: str
     dtype = jnp.dtype(settings.dtype)
     target, drafter = load_target(target_dir, dtype), load_drafter(drafter_dir, dtype)
     cells = grid_cells(grid, depth=drafter.config.block_size - 1)
+    vocab = target.config.vocab_size
+    counts = load_counts(target_dir, vocab) if any(grid.draft_vocabs) else None
+    drafters = {w: with_draft_vocab(drafter, target, most_frequent(counts, w) if w else None)
+                for w in {cell.draft_vocab for cell in cells}}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = [] if restart or not out.exists() else finished_rows(read_rows(out), settings)
@@ -322,8 +336,9 @@ def run_sweep(grid: Grid, settings: Settings, out: str | Path, *, tokenizer: str
     bar = tqdm(todo, desc="sweep", unit="cell")
     for cell in bar:
         bar.set_postfix_str(f"{cell.method} B={cell.budget} T={cell.temperature:g} p={cell.top_p:g} "
-                            f"k={cell.top_k} dT={cell.draft_temperature:g} {cell.budget_policy}")
-        new = run_cell(target, drafter, prompts_PT, cell, settings, device, table)
+                            f"k={cell.top_k} dT={cell.draft_temperature:g} {cell.budget_policy}"
+                            + (f" W={cell.draft_vocab}" if cell.draft_vocab else ""))
+        new = run_cell(target, drafters[cell.draft_vocab], prompts_PT, cell, settings, device, table)
         write_rows(out, new, append=True)
         rows += new
     return rows
@@ -356,7 +371,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              ("--topk-caps", int, "DDTree per-depth rank caps (0 = none)"),
              ("--temperatures", float, "target temperatures (0 = greedy)"), ("--top-ps", float, "top-p values"),
              ("--top-ks", int, "top-k values (0 = off)"), ("--draft-temperatures", float, "draft temperatures"),
-             ("--budget-policies", str, f"DDTree budget policies ({', '.join(POLICIES)}; ddtree_jax/budget.py)")]
+             ("--budget-policies", str, f"DDTree budget policies ({', '.join(POLICIES)}; ddtree_jax/budget.py)"),
+             ("--draft-vocabs", int, "draft vocabulary sizes: the chain and DDTree draft from the W most frequent "
+              "tokens (counts: <target>/token_counts.npy; 0 = the whole vocabulary)")]
     def preset(flag: str) -> str:
         name = flag[2:].replace("-", "_")
         full, quick = (",".join(map(str, v)) if isinstance(v, tuple) else v for v in (FULL[name], QUICK[name]))
