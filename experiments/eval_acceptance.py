@@ -99,14 +99,14 @@ def plot(rows, path):
 
     temps = sorted({r["temperature"] for r in rows})
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(labels)), 4))
     width = 0.8 / len(temps)
     for i, t in enumerate(temps):
         sel = [next(r for r in rows if r["label"] == lab and r["temperature"] == t) for lab in labels]
         x = np.arange(len(labels)) + i * width
         err = np.array([[r["tau"] - r["tau_lo"], r["tau_hi"] - r["tau"]] for r in sel]).T
         ax.bar(x, [r["tau"] for r in sel], width, yerr=err, capsize=3, label=f"T = {t:g}")
-    ax.set_xticks(np.arange(len(labels)) + width * (len(temps) - 1) / 2, labels)
+    ax.set_xticks(np.arange(len(labels)) + width * (len(temps) - 1) / 2, labels, rotation=30, ha="right")
     ax.set_ylabel("tau (accepted + bonus per round)")
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
