@@ -84,6 +84,7 @@ def test_a_draft_vocabulary_streams_its_own_head_in_the_round(tmp_path):
     assert cli.main(argv) == 0
     (row,) = json.loads(out.read_text())["shapes"]
     assert row["draft_vocab"] == 64 and row["round_ms"] > 0 and row["drafter_ms"] > 0
+    assert row["round_full_vocab_back_to_back_ms"] > 0  # the whole vocabulary's round, timed beside it
 
 
 def test_back_to_back_queues_the_calls_and_blocks_once():

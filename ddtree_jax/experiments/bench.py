@@ -396,6 +396,14 @@ def bench_shapes(args, emit) -> None:
                                      sampling), args.repeats)
                     print(f"  B={budget:4d}: round back to back {round_b2b_ms:.2f} ms, with the XLA tree build "
                           f"{row['round_xla_build_back_to_back_ms']:.2f} ms", flush=True)
+                if args.draft_vocab:  # the same round with the whole vocabulary, in this process
+                    full = with_draft_vocab(drafter, target, None)
+                    row["round_full_vocab_back_to_back_ms"] = back_to_back_ms(
+                        round_runner(target, full, spec, make_state(target, full, spec, batch, context), sampling),
+                        args.repeats)
+                    print(f"  B={budget:4d}: round back to back {round_b2b_ms:.2f} ms drafting from "
+                          f"{args.draft_vocab} tokens, {row['round_full_vocab_back_to_back_ms']:.2f} ms from all "
+                          f"{target.config.vocab_size}", flush=True)
                 if args.mesh_check and budget == args.budgets[0]:
                     xla = engine.make_spec(target, drafter, "ddtree", budget, args.topk_cap or None, "xla",
                                            args.sampler_impl)
@@ -597,8 +605,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedded-budgets", type=_ints, help="part 2 DDTree node budgets " + preset("embedded_budgets"))
     p.add_argument("--new-tokens", type=int, help="tokens per request in part 2 " + preset("new_tokens"))
     p.add_argument("--draft-vocab", type=int, default=0,
-                   help="the drafter drafts from this many tokens (parts 1 and 3: the lowest ids; part 2: the most "
-                        "frequent, by the embedded target's token counts); 0 = the whole vocabulary")
+                   help="the drafter drafts from this many tokens (parts 1 and 3: the lowest ids, part 1 also "
+                        "timing the round with all of them; part 2: the most frequent, by the embedded target's "
+                        "token counts); 0 = the whole vocabulary")
     p.add_argument("--draft-temperature", type=float, default=1.0,
                    help="temperature of the draft marginals the chain and DDTree draft from in part 2")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="JSON output")
