@@ -27,6 +27,7 @@ from ddtree_jax.models import (
     init_drafter,
     init_target,
     target_forward,
+    with_draft_vocab,
 )
 from ddtree_jax.kernels import attention_fn
 from pallas_kernels.tree_attention_reference import tree_attention_reference as attention
@@ -201,6 +202,15 @@ def batch_policy(mesh=None) -> dict:
     return out
 
 
+def draft_vocab(mesh=None) -> dict:
+    """Tokens of model "a" (untied head, vocabulary split over tp) whose drafter drafts from 5 of the 8 tokens,
+    the target over ``mesh`` (``None``: unsharded)."""
+    target, drafter = tiny_models("a")
+    small = with_draft_vocab(drafter, target, [0, 2, 3, 5, 6])
+    res = engine.generate(target, small, PROMPTS, **SAMPLING, **GENERATE, key=jax.random.key(KEY_SEED), mesh=mesh)
+    return {"tokens": res.tokens.tolist(), "tau": res.tau}
+
+
 def main(path: str, cases: list[str]) -> None:
     if jax.device_count() != 8:
         raise SystemExit(f"sharded_check needs 8 devices (XLA_FLAGS), got {jax.device_count()}")
@@ -211,6 +221,9 @@ def main(path: str, cases: list[str]) -> None:
             continue
         if case == "batch_policy":
             results[case] = batch_policy(sharding.make_mesh(4, 1))
+            continue
+        if case == "draft_vocab":
+            results[case] = draft_vocab(sharding.make_mesh(4, 2))
             continue
         model, tp, dp, *impl = case.split(":")
         results[case] = run_case(model, sharding.make_mesh(int(tp), int(dp)), *impl)

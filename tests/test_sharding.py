@@ -31,7 +31,7 @@ from ddtree_jax.models import Qwen3Config, drafter_forward, init_cache, target_f
 KERNEL_CASES = ("c:2:1:interpret", "d:4:1:interpret", "c:2:2:interpret")  # d:4:1: 2 KV heads over tp = 4
 CASES = ("a:1:1", "a:2:1", "a:4:1", "a:8:1", "b:4:2", "e:8:1", "e:4:2", *KERNEL_CASES)
 WORKERS = (("a:1:1", "a:4:1", "b:4:2", "d:4:1:interpret", "e:8:1", "attention"),
-           ("a:2:1", "a:8:1", "c:2:1:interpret", "c:2:2:interpret", "e:4:2", "batch_policy"))
+           ("a:2:1", "a:8:1", "c:2:1:interpret", "c:2:2:interpret", "e:4:2", "batch_policy", "draft_vocab"))
 ROW_SPLIT = {"wqkv", "wo", "w_gate_up", "w_down"}
 EXPERT_SPLIT = {"experts_gate_up", "experts_down"}
 
@@ -95,6 +95,13 @@ def test_batch_budget_policy_under_tensor_parallelism(runs):
     sharded = runs[1]["batch_policy"]
     assert sharded["tokens"] == sharded_check.batch_policy()["tokens"]
     assert "does not run with the requests split over dp=2" in sharded["dp_error"]
+
+
+def test_draft_vocabulary_under_tensor_and_data_parallelism(runs):
+    """A drafter drafting from 5 of the 8 tokens, its head cut from an LM head split over tp = 4, with the
+    requests over dp = 2: the unsharded tokens."""
+    sharded = runs[1]["draft_vocab"]
+    assert sharded["tokens"] == sharded_check.draft_vocab()["tokens"] and sharded["tau"] > 1.0
 
 
 @pytest.mark.parametrize("case", CASES)
