@@ -16,10 +16,13 @@ budget B (``--topk-cap``, default none, so K = B):
   beam_kernel   = ``beam`` by the Pallas tree-build kernel (`pallas_kernels.tree_build`, budgets it
                   takes; interpreted off a GPU), and ``kernel_in_loop`` the ``full_in_loop`` build
                   with it (``build_impl="pallas"``, `kernels.tree_build_fn`); ``kernel_equal`` says
-                  whether its tree equals the XLA path's on this device; ``--kernel-variants
-                  w16,w8c32m`` adds ``beam_kernel_<variant>`` (and ``kernel_<variant>_equal``): the
-                  kernel with another launch (`parse_variant`: warps, candidates a count tile, the
-                  merge order) than the library's (`tree_build.tree_build_config`)
+                  whether its tree equals the XLA path's on this device
+  beam_in_loop, beam_kernel_in_loop
+                = the beam and global order alone (from the top-K), XLA's and the kernel's, per call
+                  of 20 in one jitted loop; ``--kernel-variants w16,w8c32m`` adds
+                  ``beam_kernel_<variant>_in_loop`` (and ``kernel_<variant>_equal``): the kernel with
+                  another launch (`parse_variant`: warps, candidates a count tile, the merge order)
+                  than the library's (`tree_build.tree_build_config`)
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
 device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
@@ -126,6 +129,17 @@ def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=()) -> dic
     )
 
 
+def beam_in_loop_ms(beam_fn, drafts, roots, k, repeats) -> float:
+    """ms per call of ``beam_fn(lp_BLK, tok_BLK, roots)`` (the beam and global order from the top-k)
+    inside one jitted loop; step i takes the top-k of draft i % 4."""
+    top = [vocab_top_k(log_softmax(d), k=k) for d in drafts]
+    ops = (jnp.stack([t[0] for t in top]), jnp.stack([t[1] for t in top]), roots)
+
+    def step(ops, i, acc):
+        return acc + checksum(beam_fn(ops[0][i % 4], ops[1][i % 4], ops[2]))
+    return loop_ms(step, ops, jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS)
+
+
 def in_loop_ms(drafts, roots, budget, topk_cap, impl, repeats) -> float:
     """ms per build + encodings by ``impl`` (`kernels.tree_build_fn`) inside one jitted loop; step i
     builds from draft i % 4, so that no build is hoisted out of the loop."""
@@ -135,24 +149,32 @@ def in_loop_ms(drafts, roots, budget, topk_cap, impl, repeats) -> float:
 
 
 def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, variants=()) -> dict:
-    """The tree-build kernel's columns of a row (NaN where the kernel does not take the budget), with
-    ``beam_kernel_<v>_ms`` and ``kernel_<v>_equal`` for each variant v of ``variants`` whose launch
-    takes the budget."""
+    """The tree-build kernel's columns of a row (NaN where the kernel does not take the budget). The
+    beam alone in a loop, XLA's (``beam_in_loop``) and the kernel's (``beam_kernel_in_loop``, the
+    library's launch, and ``beam_kernel_<v>_in_loop`` for each variant v of ``variants`` whose launch
+    takes the budget), each with ``kernel[_<v>]_equal``: whether its tree equals XLA's."""
     k = lp_k.shape[2]
     if not kernel_supports(budget, k, lp_k.shape[1]):
         return dict(beam_kernel_ms=float("nan"), kernel_in_loop_ms=float("nan"), kernel_equal=None)
 
-    def timed(config):
-        got = beam_kernel(lp_k, tok_k, roots, budget=budget, config=config)
-        equal = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree)))
-        return median_ms(lambda: beam_kernel(lp_k, tok_k, roots, budget=budget, config=config), repeats), equal
+    def run(config):
+        return functools.partial(beam_kernel, budget=budget, config=config)
 
-    columns = dict(zip(("beam_kernel_ms", "kernel_equal"), timed(tree_build_config(budget, k))))
-    columns["kernel_in_loop_ms"] = in_loop_ms(drafts, roots, budget, topk_cap, KERNEL_IMPL, repeats)
+    def equal(config):
+        got = run(config)(lp_k, tok_k, roots)
+        return all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree)))
+
+    library = tree_build_config(budget, k)
+    columns = dict(beam_kernel_ms=median_ms(lambda: run(library)(lp_k, tok_k, roots), repeats),
+                   kernel_equal=equal(library),
+                   kernel_in_loop_ms=in_loop_ms(drafts, roots, budget, topk_cap, KERNEL_IMPL, repeats),
+                   beam_in_loop_ms=beam_in_loop_ms(functools.partial(beam, budget=budget), drafts, roots, k, repeats),
+                   beam_kernel_in_loop_ms=beam_in_loop_ms(run(library), drafts, roots, k, repeats))
     for name in variants:
         config = parse_variant(name)
         if config.supports(budget, k):
-            columns[f"beam_kernel_{name}_ms"], columns[f"kernel_{name}_equal"] = timed(config)
+            columns[f"kernel_{name}_equal"] = equal(config)
+            columns[f"beam_kernel_{name}_in_loop_ms"] = beam_in_loop_ms(run(config), drafts, roots, k, repeats)
     return columns
 
 
@@ -226,8 +248,11 @@ def main(argv=None) -> int:
             cells = " ".join(f"{row[c]:>11.3f}" for c in COLUMNS)
             print(f"{batch:>5} {budget:>5} {row['plan']:>10} {cells} {row['hbm_floor_ms']:>10.4f}"
                   f"{'' if row['top_k_exact'] else '  TOP-K NOT EXACT'}", flush=True)
-            for v in (v for v in kernel_variants if f"beam_kernel_{v}_ms" in row):
-                print(f"{'':>11} beam_kernel {v}: {row[f'beam_kernel_{v}_ms']:.3f} ms, "
+            if "beam_in_loop_ms" in row:
+                print(f"{'':>11} the beam in a loop: XLA {row['beam_in_loop_ms']:.3f} ms, kernel "
+                      f"{row['beam_kernel_in_loop_ms']:.3f} ms", flush=True)
+            for v in (v for v in kernel_variants if f"beam_kernel_{v}_in_loop_ms" in row):
+                print(f"{'':>11} the beam kernel {v} in a loop: {row[f'beam_kernel_{v}_in_loop_ms']:.3f} ms, "
                       f"equal {row[f'kernel_{v}_equal']}", flush=True)
             meta["elapsed_s"] = time.perf_counter() - start
             with open(args.out, "w") as f:  # after every row: an interrupted run keeps what it measured

@@ -62,9 +62,10 @@ def test_bench_tree_build_kernel_variants(tmp_path):
     assert bench_tree_build.main(argv) == 0
     small, large = json.loads(out.read_text())["rows"]
     for v in ("w2", "c8m", "w16c32m"):
-        assert small[f"kernel_{v}_equal"] is True and small[f"beam_kernel_{v}_ms"] > 0
+        assert small[f"kernel_{v}_equal"] is True and small[f"beam_kernel_{v}_in_loop_ms"] > 0
+    assert small["beam_in_loop_ms"] > 0 and small["beam_kernel_in_loop_ms"] > 0
     assert large["kernel_equal"] is True and large["kernel_w16c32m_equal"] is True  # B = 64
-    assert "beam_kernel_c8m_ms" not in large and "beam_kernel_w2_ms" not in large  # 35 chunks; a 512-wide tile
+    assert "kernel_c8m_equal" not in large and "kernel_w2_equal" not in large  # 35 chunks; a 512-wide tile
     assert bench_tree_build.parse_variant("w16c32m") == TreeBuildConfig(num_warps=16, chunk=32, order="merge")
     for bad, message in [("w3", "num_warps must be"), ("m32", "w<warps>, c<chunk> and m"), ("c12", "chunk must be")]:
         with pytest.raises(ValueError, match=f"--kernel-variants: .*{message}"):
