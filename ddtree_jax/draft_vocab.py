@@ -41,6 +41,13 @@ def most_frequent(counts_V, size: int) -> np.ndarray:
     return np.sort(order[:size]).astype(np.int32)
 
 
+def coverage(counts_V, size: int) -> float:
+    """The share of all counted tokens that the ``size`` most frequent ids are (`most_frequent`)."""
+    counts_V = np.asarray(counts_V, np.int64)
+    total = counts_V.sum()
+    return float(counts_V[most_frequent(counts_V, size)].sum() / total) if total else 0.0
+
+
 def load_counts(model_dir: str | Path, vocab_size: int) -> np.ndarray:
     """The `COUNTS_FILE` of ``model_dir``: int64 ``[vocab_size]``; ``ValueError`` naming the file when
     it is missing or does not fit the vocabulary."""

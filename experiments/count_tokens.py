@@ -1,8 +1,9 @@
 """Token counts of a corpus under a target's tokenizer, for draft vocabularies (`ddtree_jax.draft_vocab`).
 
 Counts every id of the corpus's files (default: the standard library's training split, the
-embedded pair's own training text) and writes int64 ``[V]`` to ``--out`` (default
-``<target>/token_counts.npy``, where ``ddtree generate --draft-vocab N`` looks for it).
+embedded pair's own training text), writes int64 ``[V]`` to ``--out`` (default
+``<target>/token_counts.npy``, where ``ddtree generate --draft-vocab N`` looks for it) and prints
+the share of the tokens that the 1,024, 2,048, ... most frequent ids cover.
 
     python experiments/count_tokens.py --target ddtree_jax/assets/target
     python experiments/count_tokens.py --target DIR --files 'corpus/*.txt'
@@ -24,7 +25,7 @@ import tokenizers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from ddtree_jax.assets import TARGET_DIR  # noqa: E402
-from ddtree_jax.draft_vocab import COUNTS_FILE, token_counts  # noqa: E402
+from ddtree_jax.draft_vocab import COUNTS_FILE, coverage, token_counts  # noqa: E402
 from ddtree_jax.experiments.corpus import list_files, read_text  # noqa: E402
 from ddtree_jax.tokenizer import EOT_TOKEN  # noqa: E402
 
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     np.save(out, counts)
     print(f"{counts.sum()} tokens of {len(files)} files, {int((counts > 0).sum())} of {vocab} ids seen; "
           f"wrote {out} in {time.perf_counter() - start:.1f} s")
+    for size in (1 << e for e in range(10, vocab.bit_length()) if 1 << e < vocab):
+        print(f"  the {size:>7,} most frequent ids: {100 * coverage(counts, size):6.2f}% of the tokens")
     return 0
 
 

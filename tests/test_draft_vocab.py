@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree_jax.checkpoint import save_drafter
-from ddtree_jax.draft_vocab import COUNTS_FILE, load_counts, most_frequent, token_counts
+from ddtree_jax.draft_vocab import COUNTS_FILE, coverage, load_counts, most_frequent, token_counts
 from ddtree_jax.models import drafter_logits, with_draft_vocab
 from ddtree_jax.tree import build_tree, with_token_ids
 from tests.test_engine import tiny_pair
@@ -30,6 +30,12 @@ def test_most_frequent_is_the_first_ids_by_count_then_id(counts, data):
 def test_token_counts_count_every_id(seqs):
     oracle = collections.Counter(t for s in seqs for t in s)
     assert token_counts(seqs, 10).tolist() == [oracle[i] for i in range(10)]
+
+
+def test_coverage_is_the_share_of_the_most_frequent():
+    counts = np.array([5, 0, 3, 2])
+    assert [coverage(counts, w) for w in (1, 2, 3, 4)] == [0.5, 0.8, 1.0, 1.0]
+    assert coverage(np.zeros(3, np.int64), 2) == 0.0
 
 
 def test_counts_and_sizes_are_checked(tmp_path):
