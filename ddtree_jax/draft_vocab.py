@@ -1,7 +1,7 @@
 """Draft vocabularies chosen by token frequency.
 
-A drafter that shares the target's LM head streams all of it every round (1.24 GB at Qwen3's
-151,936 tokens, as many bytes as four of its decoder layers). Restricting the drafts to the W
+A drafter that shares the target's LM head streams all of it every round (1.24 GB at Qwen3-8B's
+151,936 tokens, as many bytes as three of its decoder layers). Restricting the drafts to the W
 most frequent tokens of a corpus (`dflash.with_draft_vocab`) streams ``W / V`` of it; the
 target still verifies every draft, so the output keeps the target's law, and only drafts
 outside the W tokens are lost. The counts live beside the target's tokenizer, in
