@@ -65,7 +65,7 @@ class TreeBuildConfig:
     def supports(self, budget: int, k: int) -> bool:
         """Whether this launch takes a budget and width `kernel_supports` takes: its count tiles
         within `MAX_TILE` candidates and `MAX_CHUNKS` chunks, the count order only up to
-    `COUNT_ORDER_MAX_BUDGET`."""
+        `COUNT_ORDER_MAX_BUDGET`."""
         tile, chunks = candidate_chunks(budget, k, self.chunk)
         return tile <= MAX_TILE and chunks <= MAX_CHUNKS and (self.order == "merge" or budget <= COUNT_ORDER_MAX_BUDGET)
 
@@ -98,8 +98,6 @@ def rank_packing(k: int, depth: int) -> tuple[int, int, int]:
     bits = k.bit_length()
     per_word = 31 // bits
     return bits, per_word, -(-depth // per_word)
-
-
 
 
 def candidate_chunks(budget: int, k: int, chunk: int) -> tuple[int, int]:
@@ -304,13 +302,14 @@ def _merge_order(acc_logw, acc_tok, acc_par, acc_words, *, budget):
         head_of, node, tok_s, par_s, depth_s, logw_s = carry  # head_of[d]: row d's next entry
         head = cols == head_of[:, None]
         best_key = -jnp.max(jnp.where(head, acc_logw, neg), axis=1)  # a row past its end: -inf, words 0
-        best = best_key == jnp.min(best_key)
+        key_min = jnp.min(best_key)  # -logw of the entry popped
+        best = best_key == key_min
         for a in acc_words:
             key = jnp.sum(jnp.where(head, a, 0), axis=1)
             best = best & (key == jnp.min(jnp.where(best, key, int_max)))
         d = jnp.min(jnp.where(best, row_ids, depth2))
         at = (rows == d) & head
-        logw = jnp.max(jnp.where(at, acc_logw, neg))
+        logw = -key_min
         above = jnp.sum(jnp.where(at, acc_par, 0))
         parent = jnp.sum(jnp.where((rows == d - 1) & (cols == above), node, 0))  # 0 (the root) at d = 0
         real, slot = logw > neg, slots == s
