@@ -170,10 +170,9 @@ def cmd_generate(args) -> int:
     checks.flags(args, [("top_k", lambda v: v <= vocab, f"<= the vocabulary size {vocab} (0 = off)"),
                         ("draft_vocab", lambda v: v <= vocab, f"<= the vocabulary size {vocab} (0 = all of it)")])
     if args.draft_vocab:
-        from ddtree_jax.draft_vocab import load_counts, most_frequent
-        from ddtree_jax.models.dflash import with_draft_vocab
+        from ddtree_jax.draft_vocab import with_frequent_tokens
 
-        drafter = with_draft_vocab(drafter, target, most_frequent(load_counts(args.target, vocab), args.draft_vocab))
+        drafter = with_frequent_tokens(drafter, target, args.target, args.draft_vocab)
     prompt = _prompt_ids(args, tokenizer, vocab)
     mesh = _mesh(args, target)
     stop = [] if args.no_stop or tokenizer is None else [tokenizer.eot_id]

@@ -5,7 +5,8 @@ A drafter that shares the target's LM head streams all of it every round (1.24 G
 most frequent tokens of a corpus (`dflash.with_draft_vocab`) streams ``W / V`` of it; the
 target still verifies every draft, so the output keeps the target's law, and only drafts
 outside the W tokens are lost. The counts live beside the target's tokenizer, in
-`COUNTS_FILE` (``experiments/count_tokens.py`` writes it).
+`COUNTS_FILE` (``experiments/count_tokens.py`` writes it); `with_frequent_tokens` gives a drafter
+the W most frequent of them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+
+from ddtree_jax.models.dflash import Drafter, with_draft_vocab
+from ddtree_jax.models.qwen3 import Target
 
 COUNTS_FILE = "token_counts.npy"
 
@@ -58,3 +62,12 @@ def load_counts(model_dir: str | Path, vocab_size: int) -> np.ndarray:
     if counts.shape != (vocab_size,) or not np.issubdtype(counts.dtype, np.integer) or (counts < 0).any():
         raise ValueError(f"{path} must hold {vocab_size} counts >= 0, got {counts.dtype} {counts.shape}")
     return counts.astype(np.int64)
+
+
+def with_frequent_tokens(drafter: Drafter, target: Target, model_dir: str | Path, size: int) -> Drafter:
+    """``drafter`` drafting from the ``size`` most frequent tokens by ``model_dir``'s counts
+    (`load_counts`, `most_frequent`; `dflash.with_draft_vocab`); ``size = 0``: the whole vocabulary,
+    without reading the counts."""
+    if not size:
+        return with_draft_vocab(drafter, target, None)
+    return with_draft_vocab(drafter, target, most_frequent(load_counts(model_dir, target.config.vocab_size), size))

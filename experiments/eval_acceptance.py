@@ -29,11 +29,10 @@ from tqdm import tqdm  # noqa: E402
 
 from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from ddtree_jax.checkpoint import load_drafter, load_target  # noqa: E402
-from ddtree_jax.draft_vocab import load_counts, most_frequent  # noqa: E402
+from ddtree_jax.draft_vocab import with_frequent_tokens  # noqa: E402
 from ddtree_jax.engine import generate  # noqa: E402
 from ddtree_jax.experiments import corpus  # noqa: E402
 from ddtree_jax.experiments.stats import bootstrap_ci, per_request_tau  # noqa: E402
-from ddtree_jax.models import with_draft_vocab  # noqa: E402
 from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -155,8 +154,7 @@ def main(argv=None):
     prompts = corpus.heldout_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
     cells = grid(parse_methods(args.methods, args.topk_cap), [float(t) for t in args.temperatures.split(",")],
                  draft_temperatures, draft_vocabs)
-    counts = load_counts(args.target, target.config.vocab_size) if any(draft_vocabs) else None
-    drafters = {w: with_draft_vocab(drafter, target, most_frequent(counts, w) if w else None) for w in draft_vocabs}
+    drafters = {w: with_frequent_tokens(drafter, target, args.target, w) for w in draft_vocabs}
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                 python=sys.version.split()[0], command=" ".join(sys.argv))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree_jax.checkpoint import save_drafter
-from ddtree_jax.draft_vocab import COUNTS_FILE, coverage, load_counts, most_frequent, token_counts
+from ddtree_jax.draft_vocab import (
+    COUNTS_FILE,
+    coverage,
+    load_counts,
+    most_frequent,
+    token_counts,
+    with_frequent_tokens,
+)
 from ddtree_jax.models import drafter_logits, with_draft_vocab
 from ddtree_jax.tree import build_tree, with_token_ids
 from tests.test_engine import tiny_pair
@@ -69,6 +76,19 @@ def test_the_draft_head_is_the_lm_heads_columns():
     np.testing.assert_allclose(drafter_logits(small, target, tokens), drafter_logits(drafter, target, tokens)[..., ids],
                                rtol=1e-6, atol=1e-6)
     assert with_draft_vocab(small, target, None).params.draft_head is None
+
+
+def test_with_frequent_tokens_takes_the_most_frequent_by_the_counts_file(tmp_path):
+    """The ``size`` most frequent ids of ``model_dir``'s counts; size 0 the whole vocabulary, no file read."""
+    target, drafter = tiny_pair(vocab=8)
+    np.save(tmp_path / COUNTS_FILE, np.array([5, 0, 9, 9, 1, 7, 0, 2]))
+    small = with_frequent_tokens(drafter, target, tmp_path, 3)
+    np.testing.assert_array_equal(small.params.draft_ids, [2, 3, 5])
+    want = with_draft_vocab(drafter, target, [2, 3, 5])
+    np.testing.assert_array_equal(small.params.draft_head, want.params.draft_head)
+    assert with_frequent_tokens(small, target, tmp_path / "none", 0).params.draft_ids is None
+    with pytest.raises(ValueError, match="no token counts at"):
+        with_frequent_tokens(drafter, target, tmp_path / "none", 3)
 
 
 def test_trees_over_a_draft_vocabulary_hold_its_token_ids():

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import checks, costs, engine, kernels, sharding
-from ddtree_jax.draft_vocab import load_counts, most_frequent
+from ddtree_jax.draft_vocab import with_frequent_tokens
 from ddtree_jax.experiments import profiling
 from ddtree_jax.experiments.provenance import command_line
 from ddtree_jax.models import (
@@ -501,9 +501,7 @@ def bench_embedded(args, emit) -> None:
 
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     target, drafter = load_target(TARGET_DIR, dtype), load_drafter(DRAFTER_DIR, dtype)
-    if args.draft_vocab:
-        counts = load_counts(TARGET_DIR, target.config.vocab_size)
-        drafter = with_draft_vocab(drafter, target, most_frequent(counts, args.draft_vocab))
+    drafter = with_frequent_tokens(drafter, target, TARGET_DIR, args.draft_vocab)
     tokenizer = Tokenizer.from_file(TARGET_DIR / "tokenizer.json")
     prompts = corpus.heldout_prompts(tokenizer, max(args.embedded_batches), 64, seed=0)
     for batch in args.embedded_batches:

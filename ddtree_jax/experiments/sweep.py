@@ -46,12 +46,11 @@ from ddtree_jax import costs
 from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR, TOKENIZER_PATH
 from ddtree_jax.budget import POLICIES
 from ddtree_jax.checkpoint import load_drafter, load_target
-from ddtree_jax.draft_vocab import load_counts, most_frequent
+from ddtree_jax.draft_vocab import with_frequent_tokens
 from ddtree_jax.engine import METHODS, generate
 from ddtree_jax.experiments import corpus
 from ddtree_jax.experiments.provenance import command_line
 from ddtree_jax.experiments.stats import per_request_tau
-from ddtree_jax.models import with_draft_vocab
 from ddtree_jax.tokenizer import Tokenizer
 
 
@@ -316,10 +315,7 @@ def run_sweep(grid: Grid, settings: Settings, out: str | Path, *, tokenizer: str
     dtype = jnp.dtype(settings.dtype)
     target, drafter = load_target(target_dir, dtype), load_drafter(drafter_dir, dtype)
     cells = grid_cells(grid, depth=drafter.config.block_size - 1)
-    vocab = target.config.vocab_size
-    counts = load_counts(target_dir, vocab) if any(grid.draft_vocabs) else None
-    drafters = {w: with_draft_vocab(drafter, target, most_frequent(counts, w) if w else None)
-                for w in {cell.draft_vocab for cell in cells}}
+    drafters = {w: with_frequent_tokens(drafter, target, target_dir, w) for w in {cell.draft_vocab for cell in cells}}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = [] if restart or not out.exists() else finished_rows(read_rows(out), settings)
