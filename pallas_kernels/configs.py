@@ -96,7 +96,7 @@ TREE_ATTENTION_CONFIGS: dict[tuple[int, int], TreeAttentionConfig] = {
     (8, 0): TreeAttentionConfig(),
     (9, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
                                 min_programs=512, min_chunk=128, smem_bytes=200 * 1024,
-                                measured=True),
+                                split_by_length=True, measured=True),
     (10, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
                                  min_programs=592, min_chunk=128, smem_bytes=200 * 1024),
     (12, 0): TreeAttentionConfig(block_m=64, block_k=32, num_warps=4, num_stages=2,

@@ -71,11 +71,12 @@ class TreeBuildConfig:
 
 
 def tree_build_config(budget: int, k: int) -> TreeBuildConfig:
-    """The launch `tree_nodes` uses by default. Up to B = 32, the one measured on an H200: one count
-    tile, the count order, 4 warps (fastest at B <= 16; BENCHMARKS.md). Beyond, unmeasured: chunks of
-    32 candidates and the merge order, which keep every tile within 2,048 values at B = 64."""
-    config = TreeBuildConfig()
-    return config if config.supports(budget, k) else TreeBuildConfig(num_warps=8, chunk=32, order="merge")
+    """The launch `tree_nodes` uses by default, the fastest measured on an H200 (BENCHMARKS.md): up to
+    B = 16, 4 warps, one count tile, the count order; at B = 32, 16 warps, chunks of 64 and the merge;
+    at B = 64, 16 warps, chunks of 32 and the merge. Beyond B = 16 XLA's beam is faster still."""
+    if budget <= 16:
+        return TreeBuildConfig()
+    return TreeBuildConfig(num_warps=16, chunk=64 if budget <= 32 else 32, order="merge")
 
 
 def _pow2(n: int) -> int:

@@ -143,7 +143,7 @@ def test_gpu_equality_script_backends_name_their_configs():
     plain, by_length = attention_kernel("triton"), attention_kernel("triton_by_length")
     assert plain.func is by_length.func is tree_attention
     assert by_length.keywords["config"] == dataclasses.replace(plain.keywords["config"], split_by_length=True)
-    assert not plain.keywords["config"].split_by_length
+    assert plain.keywords["config"] == configs.tree_attention_config()
 
 
 def test_stale_cache_slots_are_ignored():

@@ -105,12 +105,14 @@ def test_kernel_supports_power_of_two_budgets_up_to_64():
 
 
 def test_launches_and_the_shapes_they_take():
-    """Up to B = 32 the measured launch (one count tile, the count order); at 64 chunks and the merge,
-    because one tile of its 280 candidates would be 512 wide and the count order's tiles B x B x L."""
+    """The measured launches: up to B = 16 one count tile and the count order; at 32 and 64 16 warps,
+    chunks and the merge (one tile of B = 64's 280 candidates would be 512 wide). Each default takes
+    every width its budget allows."""
     assert candidate_chunks(16, 16, 0) == (64, 1) and candidate_chunks(64, 64, 32) == (32, 9)
-    assert tree_build_config(16, 16) == tree_build_config(32, 32) == TreeBuildConfig()
-    assert tree_build_config(64, 64) == TreeBuildConfig(num_warps=8, chunk=32, order="merge")
-    assert tree_build_config(64, 4).supports(64, 4)
+    assert tree_build_config(16, 16) == tree_build_config(2, 1) == TreeBuildConfig()
+    assert tree_build_config(32, 32) == TreeBuildConfig(num_warps=16, chunk=64, order="merge")
+    assert tree_build_config(64, 64) == TreeBuildConfig(num_warps=16, chunk=32, order="merge")
+    assert all(tree_build_config(b, k).supports(b, k) for b in (2, 4, 8, 16, 32, 64) for k in range(1, b + 1))
     assert not TreeBuildConfig().supports(64, 64)  # a 512-wide tile
     assert not TreeBuildConfig(chunk=32).supports(64, 64)  # the count order past 32
     assert not TreeBuildConfig(chunk=8, order="merge").supports(64, 64)  # 35 chunks: 35^2 tiles unrolled
