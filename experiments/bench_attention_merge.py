@@ -1,21 +1,26 @@
-"""A/B of the attention's split-K merge and split size inside the engine's rounds, in one process.
+"""A/B of the attention's split-K merge and split policy inside the engine's rounds, in one process.
 
-At batch 1 the tree-attention kernel cuts the KV cache's capacity into many chunks (27 at a 5k-slot
+At batch 1 the tree-attention kernel cuts a request's KV prefix into many splits (27 at a 5k-slot
 cache on an H200), and XLA merges their partial outputs in two fusions per layer (the running maxima
-and sums, then the weighted sum of the outputs fused with the pad of the output projection's rows).
+and sums, then the weighted sum of the outputs fused with the pad of the output projection's rows);
+the partial outputs are float32 ``[splits, rows, head_dim]``, 7.5 MB a layer for a 16-node tree.
 This script compiles the AR round (the decode step) and a DDTree round at Qwen3-8B shapes, random
-weights, once per variant, and times them back to back, the variants interleaved:
+weights, once per variant, and times them back to back, the variants interleaved. ``--variants``
+names them:
 
-  shipped        the merge and the split policy as they are
+  shipped        the merge and the local GPU's split policy as they are
+  by_capacity    the cache's capacity cut into fixed chunks, of which a short prefix fills few
+  by_length      each request's prefix cut into the splits by its length (equal chunks of whole key
+                 blocks)
   weights_first  the merge normalising the per-split weights on the small ``[J, M]`` statistics
                  first, so that the output's fusion only multiplies and adds
-  by_length      each request's prefix cut into the splits by its length (equal chunks of whole key
-                 blocks) instead of the capacity into fixed chunks, of which a short prefix fills few
-  chunk_<C>      the split policy's minimum chunk raised to C slots (fewer splits to merge)
+  chunk_<C>      the split policy's minimum chunk set to C slots (fewer splits to merge)
+  programs_<P>   the split policy's minimum programs set to P (fewer splits to merge)
 
 Prints a table and writes JSON. Off a GPU the attention is XLA's and every variant is the same program.
 
-    PYTHONPATH=. python3 experiments/bench_attention_merge.py --out experiments/results/bench_attention_merge.json
+    PYTHONPATH=. python3 experiments/bench_attention_merge.py --variants shipped,by_capacity,programs_128 \
+        --out experiments/results/bench_attention_merge.json
 """
 
 from __future__ import annotations
@@ -48,6 +53,23 @@ def merge_weights_first(o_XJMD, m_XJM, l_XJM):
     return (w_XJM[..., None] * o_XJMD).sum(axis=axis)
 
 
+FIXED_VARIANTS = {"shipped": (None, {}), "by_capacity": (None, dict(split_by_length=False)),
+                  "by_length": (None, dict(split_by_length=True)), "weights_first": ("weights_first", {})}
+NUMBERED_VARIANTS = {"chunk": "min_chunk", "programs": "min_programs"}
+
+
+def parse_variant(name: str):
+    """``(merge or None, TreeAttentionConfig fields)`` of a ``--variants`` name (see the module docstring)."""
+    if name in FIXED_VARIANTS:
+        merge, fields = FIXED_VARIANTS[name]
+        return (merge_weights_first if merge else None), fields
+    prefix, _, number = name.rpartition("_")
+    if prefix in NUMBERED_VARIANTS and number.isdigit() and int(number) >= 1:
+        return None, {NUMBERED_VARIANTS[prefix]: int(number)}
+    raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED_VARIANTS)}, chunk_<C> or programs_<P> "
+                     f"(C, P >= 1)")
+
+
 def compiled_round(target, drafter, spec, state, sampling):
     """The engine's round compiled now (traced afresh), and a runner threading the state through."""
     jax.clear_caches()
@@ -70,13 +92,16 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--topk-cap", type=int, default=4)
-    ap.add_argument("--chunks", default="512", help="comma-separated minimum chunks to try")
+    ap.add_argument("--variants", default="shipped,by_capacity,weights_first,programs_128,programs_64",
+                    help="comma-separated, of shipped, by_capacity, by_length, weights_first, chunk_<C>, programs_<P>")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
     args = ap.parse_args(argv)
-    chunks = [int(c) for c in args.chunks.split(",") if c]
-    for name, value in (("context", args.context), ("budget", args.budget), ("repeats", args.repeats),
-                        *(("chunks", c) for c in chunks)):
+    names = [v for v in args.variants.split(",") if v]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--variants must name distinct variants, got {args.variants!r}")
+    parsed = [(name, *parse_variant(name)) for name in names]
+    for name, value in (("context", args.context), ("budget", args.budget), ("repeats", args.repeats)):
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     if args.topk_cap < 0:
@@ -85,11 +110,8 @@ def main(argv=None) -> int:
     sampling = bench.constant_sampling(1, 1.0, 0, 1.0)
     shipped_config = configs.tree_attention_config()
     capability = configs.device_capability()
-    variants = [("shipped", None, {}), ("weights_first", merge_weights_first, {}),
-                ("by_length", None, dict(split_by_length=True))]
-    variants += [(f"chunk_{c}", None, dict(min_chunk=c)) for c in chunks]
     runners = {}
-    for name, merge, fields in variants:
+    for name, merge, fields in parsed:
         tree_attention.merge_splits = merge or split_k.merge_splits
         if capability in configs.TREE_ATTENTION_CONFIGS:
             configs.TREE_ATTENTION_CONFIGS[capability] = dataclasses.replace(shipped_config, **fields)

@@ -30,7 +30,8 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
         assert PART_KEYS <= set(row) and all(row[k] > 0 for k in PART_KEYS | {"round_ms", "decode_ms"})
         assert row["round_over_decode"] == pytest.approx(row["round_ms"] / row["decode_ms"])
         assert row["parts_sum_ms"] == pytest.approx(sum(row[k] for k in PART_KEYS))
-        loop_keys = ("decode_back_to_back_ms", "round_back_to_back_ms", "tree_in_loop_ms", "sampling_in_loop_ms")
+        loop_keys = ("decode_back_to_back_ms", "round_back_to_back_ms", "drafter_in_loop_ms", "tree_in_loop_ms",
+                     "sampling_in_loop_ms")
         assert all(row[k] > 0 for k in loop_keys)
         assert row["core_share"] == pytest.approx(
             (row["tree_in_loop_ms"] + row["sampling_in_loop_ms"]) / row["round_back_to_back_ms"])

@@ -27,16 +27,25 @@ def test_merge_weights_first_equals_the_shipped_merge():
 def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path):
     out = tmp_path / "merge.json"
     before = dict(configs.TREE_ATTENTION_CONFIGS)
-    argv = ["--shapes", "tiny", "--context", "16", "--budget", "4", "--chunks", "256", "--repeats", "1",
-            "--out", str(out)]
+    variants = ("shipped", "by_capacity", "weights_first", "chunk_256", "programs_64")
+    argv = ["--shapes", "tiny", "--context", "16", "--budget", "4", "--variants", ",".join(variants),
+            "--repeats", "1", "--out", str(out)]
     assert bench_attention_merge.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["method"]) for r in rows] == [
-        (v, m) for v in ("shipped", "weights_first", "by_length", "chunk_256") for m in ("ar", "ddtree")]
+        (v, m) for v in variants for m in ("ar", "ddtree")]
     assert all(r["back_to_back_ms"] > 0 for r in rows)
     assert tree_attention.merge_splits is split_k.merge_splits and configs.TREE_ATTENTION_CONFIGS == before
 
 
-def test_bad_flags_raise(tmp_path):
-    with pytest.raises(ValueError, match="--chunks"):
-        bench_attention_merge.main(["--shapes", "tiny", "--chunks", "0", "--out", str(tmp_path / "x.json")])
+def test_variant_names_parse_to_their_fields():
+    parse = bench_attention_merge.parse_variant
+    assert parse("shipped") == (None, {}) and parse("by_capacity") == (None, {"split_by_length": False})
+    assert parse("weights_first")[0] is bench_attention_merge.merge_weights_first
+    assert parse("chunk_1024") == (None, {"min_chunk": 1024}) and parse("programs_128") == (None, {"min_programs": 128})
+
+
+@pytest.mark.parametrize("variants", ["chunk_0", "programs_x", "nope", "shipped,shipped", ""])
+def test_bad_flags_raise(tmp_path, variants):
+    with pytest.raises(ValueError, match="--variants"):
+        bench_attention_merge.main(["--shapes", "tiny", "--variants", variants, "--out", str(tmp_path / "x.json")])

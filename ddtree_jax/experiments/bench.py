@@ -290,8 +290,17 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
     # The build and the sampler in a loop, step i on input variant i % 2 so that nothing is hoisted out
     drafts = jnp.stack([draft_logits, jnp.roll(draft_logits, 7919, axis=-1)])
     logit_variants = jnp.stack([logits, jnp.roll(logits, 7919, axis=-1)])
+    feat_variants = jnp.stack([state.ctx_feats, jnp.roll(state.ctx_feats, 1, axis=-1)])
+
+    def draft_step(ops, i, carry):  # the cache threaded through (written in place), its lengths reset
+        acc, cache = carry
+        out, cache = draft(ops[0], ops[1], cache, ops[2][i % 2], *ops[3:])
+        return acc + checksum(out), dataclasses.replace(cache, lengths=state.drafter_cache.lengths)
+
     return dict(
         drafter_ms=median_ms(lambda: draft(*draft_args)[0], repeats),
+        drafter_in_loop_ms=loop_ms(draft_step, (drafter, target, feat_variants, *draft_args[4:]),
+                                   (jnp.float32(0), state.drafter_cache), repeats),
         tree_ms=median_ms(lambda: build(draft_logits, state.root), repeats),
         verify_forward_ms=median_ms(lambda: fwd(target, tree.tokens, positions, mask, state.target_cache)[0],
                                     repeats),
@@ -416,7 +425,7 @@ def bench_shapes(args, emit) -> None:
                 print(f"  B={budget:4d}: round {round_ms:7.2f} ms = {row['round_over_decode']:.2f} decode steps | "
                       + " ".join(f"{k[:-3]} {v:.2f}" for k, v in parts.items() if "in_loop" not in k)
                       + f" (sum {row['parts_sum_ms']:.2f}, each alone) | back to back: round {round_b2b_ms:.2f}, "
-                      + "in a loop: build "
+                      + f"in a loop: drafter {parts['drafter_in_loop_ms']:.3f}, build "
                       + f"{parts['tree_in_loop_ms']:.3f}, sampling {parts['sampling_in_loop_ms']:.3f} = "
                       + f"{100 * row['core_share']:.1f}% of the round"
                       + f" | first call {round_first_s:.1f} s"
