@@ -320,8 +320,9 @@ def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):
 
         def check(lp=lp, ids=ids, budget=budget, config=config):
             got = tree_nodes(lp, ids, budget=budget, config=config, interpret=interpret)
-            ref = tree_nodes_reference(lp, ids, budget=budget)
-            library = jax.vmap(functools.partial(tree.tree_from_top_k, budget=budget))(
+            # both jitted: run op by op they take seconds a case (dispatches)
+            ref = jax.jit(functools.partial(tree_nodes_reference, budget=budget))(lp, ids)
+            library = jax.jit(jax.vmap(functools.partial(tree.tree_from_top_k, budget=budget)))(
                 lp, ids, jnp.zeros(lp.shape[0], jnp.int32))[:4]
             same_ref = all(bool(jnp.array_equal(g, r)) for g, r in zip(got, ref, strict=True))
             same_library = all(bool(jnp.array_equal(g, w[:, 1:])) for g, w in zip(got, library, strict=True))
