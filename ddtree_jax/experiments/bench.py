@@ -31,8 +31,9 @@ per call; the same executable as the one-call timing, so nothing compiles twice.
 came within 1-6% below 10 rounds in one jitted ``lax.fori_loop``, the loop never faster.) The tree
 build and the sampler last less than a dispatch, so queued calls would time the host: they are timed
 ``in a loop``, `LOOP_STEPS` of them in one jitted ``lax.fori_loop`` over two alternating inputs (so
-that nothing is hoisted), per step. The share of build + sampling in a round (``core_share``) is taken
-from these and the round back to back.
+that nothing is hoisted), per step. So is the drafter (``drafter_in_loop``, its cache threaded through the
+loop with its lengths reset each step), the measure of its own device time. The share of build +
+sampling in a round (``core_share``) is taken from these and the round back to back.
 
 The HBM roofline of each (batch, context) (the weights and the committed KV cache each step must
 read once, at ``--hbm-tbps``) is reported on accelerators only; on a CPU it is n/a.
@@ -287,7 +288,7 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
         rows = jnp.arange(taps.shape[0])[:, None]
         return commit(cache, accept_index, num_accepted + 1), taps[rows, jnp.maximum(accept_index, 0)]
 
-    # The build and the sampler in a loop, step i on input variant i % 2 so that nothing is hoisted out
+    # The drafter, the build and the sampler in a loop, step i on input variant i % 2 so that nothing is hoisted out
     drafts = jnp.stack([draft_logits, jnp.roll(draft_logits, 7919, axis=-1)])
     logit_variants = jnp.stack([logits, jnp.roll(logits, 7919, axis=-1)])
     feat_variants = jnp.stack([state.ctx_feats, jnp.roll(state.ctx_feats, 1, axis=-1)])
