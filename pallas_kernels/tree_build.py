@@ -175,8 +175,17 @@ def _iota(shape, axis):
 
 def _take(hit, values, low):
     """``out[p] = values[q]`` for the one ``q`` with ``hit[p, q]`` (``low`` where none): a reduction."""
-    picked = jnp.where(hit, values[None, :], low)
-    return jnp.max(picked, axis=1) if jnp.issubdtype(values.dtype, jnp.floating) else jnp.sum(picked, axis=1)
+    return _collapse(jnp.where(hit, values[None, :], low))
+
+
+def _collapse(picked):
+    """`_take`'s reduction of a ``[P, Q]`` tile of picked values and ``low`` fillers over ``Q``."""
+    return jnp.max(picked, axis=1) if jnp.issubdtype(picked.dtype, jnp.floating) else jnp.sum(picked, axis=1)
+
+
+def _combine(a, b):
+    """Two picked tiles as one, so that one `_collapse` serves both: each output picks in one at most."""
+    return jnp.maximum(a, b) if jnp.issubdtype(a.dtype, jnp.floating) else a + b
 
 
 def _precedes(keys_q, keys_p, before):
@@ -217,27 +226,29 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
         return (_take(from_beam, logw, neg) + _take(from_row, lp_d, neg), _take(from_row, tok_d, 0),
                 [_take(from_beam, w, 0) + jnp.where(word == x, new_rank, 0) for x, w in enumerate(beam_words)])
 
+    # Reductions across a program's warps dominate its time, so the chunks' tiles are added up
+    # elementwise and reduced once: a rank takes one reduction, not one per chunk, and so does each
+    # field of the new beam.
     def rank(keys_a, keys, a):
         """Candidates of chunk a: how many of all the chunks' candidates sort before each."""
-        count = jnp.zeros((tile,), jnp.int32)
+        count = None
         for b, keys_b in enumerate(keys):  # ties by candidate index: chunk b's all before chunk a's when b < a
             before = (_iota((tile, tile), 0) < _iota((tile, tile), 1)) if a == b else jnp.full((tile, tile), b < a)
             before = _precedes([key[:, None] for key in keys_b], [key[None, :] for key in keys_a], before)
-            count = count + jnp.sum(before.astype(jnp.int32), axis=0)
-        return count
+            count = before.astype(jnp.int32) if count is None else count + before.astype(jnp.int32)
+        return jnp.sum(count, axis=0)
 
     def extend(d, carry):
         logw, beam_words, acc_logw, acc_tok, acc_par, acc_words = carry
         cands = [candidates(d, logw, beam_words, pair_i, pair_r) for pair_i, pair_r in pair_chunks]
         keys = [[-cand_logw, *cand_words] for cand_logw, _, cand_words in cands]
-        new = None
+        picked = None
         for a, ((cand_logw, cand_tok, cand_words), (pair_i, _)) in enumerate(zip(cands, pair_chunks)):
             chosen = rank(keys[a], keys, a)[None, :] == _iota((width, tile), 0)
-            picked = [_take(chosen, cand_logw, neg), _take(chosen, cand_tok, 0), _take(chosen, pair_i, 0),
-                      *[_take(chosen, w, 0) for w in cand_words]]
-            new = picked if new is None else [jnp.maximum(n, p) if n.dtype == jnp.float32 else n + p
-                                              for n, p in zip(new, picked)]
-        logw, tok, parent, *beam_words = new
+            tiles = [jnp.where(chosen, values[None, :], low)
+                     for values, low in ((cand_logw, neg), (cand_tok, 0), (pair_i, 0), *((w, 0) for w in cand_words))]
+            picked = tiles if picked is None else [_combine(p, t) for p, t in zip(picked, tiles)]
+        logw, tok, parent, *beam_words = [_collapse(p) for p in picked]
         at_row = rows == d
         return (logw, beam_words, jnp.where(at_row, logw[None, :], acc_logw), jnp.where(at_row, tok[None, :], acc_tok),
                 jnp.where(at_row, parent[None, :], acc_par),
