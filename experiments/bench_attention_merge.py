@@ -4,9 +4,9 @@ At batch 1 the tree-attention kernel cuts a request's KV prefix into many splits
 cache on an H200), and XLA merges their partial outputs in two fusions per layer (the running maxima
 and sums, then the weighted sum of the outputs fused with the pad of the output projection's rows);
 the partial outputs are float32 ``[splits, rows, head_dim]``, 7.5 MB a layer for a 16-node tree.
-This script compiles the AR round (the decode step) and a DDTree round at Qwen3-8B shapes, random
-weights, once per variant, and times them back to back, the variants interleaved. ``--variants``
-names them:
+This script compiles the AR round (the decode step) and a DDTree round per ``--budgets`` at Qwen3-8B
+shapes, random weights, once per variant, and times them back to back, the variants interleaved.
+``--variants`` names them:
 
   shipped        the merge and the local GPU's split policy as they are
   by_capacity    the cache's capacity cut into fixed chunks, of which a short prefix fills few
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--budgets", default="16", help="comma-separated DDTree budgets, each a round beside AR's")
     ap.add_argument("--topk-cap", type=int, default=4)
     ap.add_argument("--variants", default="shipped,by_capacity,weights_first,programs_128,programs_64",
                     help="comma-separated, of shipped, by_capacity, by_length, weights_first, chunk_<C>, programs_<P>")
@@ -101,7 +101,10 @@ def main(argv=None) -> int:
     if not names or len(set(names)) != len(names):
         raise ValueError(f"--variants must name distinct variants, got {args.variants!r}")
     parsed = [(name, *parse_variant(name)) for name in names]
-    for name, value in (("context", args.context), ("budget", args.budget), ("repeats", args.repeats)):
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip().lstrip("-").isdigit()]
+    if not budgets or len(budgets) != len(args.budgets.split(",")) or min(budgets) < 1:
+        raise ValueError(f"--budgets must be a comma-separated list of ints >= 1, got {args.budgets!r}")
+    for name, value in (("context", args.context), ("repeats", args.repeats)):
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     if args.topk_cap < 0:
@@ -115,12 +118,12 @@ def main(argv=None) -> int:
         tree_attention.merge_splits = merge or split_k.merge_splits
         if capability in configs.TREE_ATTENTION_CONFIGS:
             configs.TREE_ATTENTION_CONFIGS[capability] = dataclasses.replace(shipped_config, **fields)
-        for method, budget in (("ar", 1), ("ddtree", args.budget)):
+        for label, method, budget in (("ar", "ar", 1), *((f"ddtree{b}", "ddtree", b) for b in budgets)):
             spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto", "auto",
                                     build_impl="auto")
             state = bench.make_state(target, drafter, spec, 1, args.context)
-            runners[name, method] = compiled_round(target, drafter, spec, state, sampling)
-            print(f"compiled {name} {method}", flush=True)
+            runners[name, label] = compiled_round(target, drafter, spec, state, sampling)
+            print(f"compiled {name} {label}", flush=True)
         tree_attention.merge_splits = split_k.merge_splits
         if capability in configs.TREE_ATTENTION_CONFIGS:
             configs.TREE_ATTENTION_CONFIGS[capability] = shipped_config
@@ -128,10 +131,10 @@ def main(argv=None) -> int:
     for _ in range(args.repeats):
         for key, run in runners.items():
             times[key].append(bench.back_to_back_ms(run, 3))
-    rows = [dict(variant=name, method=method, back_to_back_ms=float(np.median(ms)), all_ms=ms)
-            for (name, method), ms in times.items()]
+    rows = [dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
+            for (name, label), ms in times.items()]
     for row in rows:
-        print(f"{row['variant']:>14} {row['method']:>6}: {row['back_to_back_ms']:.3f} ms back to back", flush=True)
+        print(f"{row['variant']:>14} {row['round']:>10}: {row['back_to_back_ms']:.3f} ms back to back", flush=True)
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                 command=command_line(), settings={k: str(v) for k, v in vars(args).items()})
     args.out.parent.mkdir(parents=True, exist_ok=True)

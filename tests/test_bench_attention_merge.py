@@ -28,12 +28,12 @@ def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path):
     out = tmp_path / "merge.json"
     before = dict(configs.TREE_ATTENTION_CONFIGS)
     variants = ("shipped", "by_capacity", "weights_first", "chunk_256", "programs_64")
-    argv = ["--shapes", "tiny", "--context", "16", "--budget", "4", "--variants", ",".join(variants),
+    argv = ["--shapes", "tiny", "--context", "16", "--budgets", "4,8", "--variants", ",".join(variants),
             "--repeats", "1", "--out", str(out)]
     assert bench_attention_merge.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["variant"], r["method"]) for r in rows] == [
-        (v, m) for v in variants for m in ("ar", "ddtree")]
+    assert [(r["variant"], r["round"]) for r in rows] == [
+        (v, m) for v in variants for m in ("ar", "ddtree4", "ddtree8")]
     assert all(r["back_to_back_ms"] > 0 for r in rows)
     assert tree_attention.merge_splits is split_k.merge_splits and configs.TREE_ATTENTION_CONFIGS == before
 
@@ -45,7 +45,9 @@ def test_variant_names_parse_to_their_fields():
     assert parse("chunk_1024") == (None, {"min_chunk": 1024}) and parse("programs_128") == (None, {"min_programs": 128})
 
 
-@pytest.mark.parametrize("variants", ["chunk_0", "programs_x", "nope", "shipped,shipped", ""])
-def test_bad_flags_raise(tmp_path, variants):
-    with pytest.raises(ValueError, match="--variants"):
-        bench_attention_merge.main(["--shapes", "tiny", "--variants", variants, "--out", str(tmp_path / "x.json")])
+@pytest.mark.parametrize("flag,value",
+                         [("--variants", v) for v in ("chunk_0", "programs_x", "nope", "shipped,shipped", "")]
+                         + [("--budgets", v) for v in ("0", "16,x", "", "4,-2")])
+def test_bad_flags_raise(tmp_path, flag, value):
+    with pytest.raises(ValueError, match=flag):
+        bench_attention_merge.main(["--shapes", "tiny", flag, value, "--out", str(tmp_path / "x.json")])
