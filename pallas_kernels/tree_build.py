@@ -226,9 +226,9 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
         return (_take(from_beam, logw, neg) + _take(from_row, lp_d, neg), _take(from_row, tok_d, 0),
                 [_take(from_beam, w, 0) + jnp.where(word == x, new_rank, 0) for x, w in enumerate(beam_words)])
 
-    # Reductions across a program's warps dominate its time, so the chunks' tiles are added up
-    # elementwise and reduced once: a rank takes one reduction, not one per chunk, and so does each
-    # field of the new beam.
+    # The launches' times on an H200 fit about 0.3 us per reduction across the program's warps
+    # (docs/design.md), so the chunks' tiles are added up elementwise and reduced once: a rank takes
+    # one reduction, not one per chunk, and so does each field of the new beam.
     def rank(keys_a, keys, a):
         """Candidates of chunk a: how many of all the chunks' candidates sort before each."""
         count = None
