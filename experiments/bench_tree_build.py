@@ -21,7 +21,8 @@ budget B (``--topk-cap``, default none, so K = B):
                 = the beam and global order alone (from the top-K), XLA's and the kernel's, per call
                   of 20 in one jitted loop; ``--kernel-variants w16,w8c32m`` adds
                   ``beam_kernel_<variant>_in_loop`` (and ``kernel_<variant>_equal``): the kernel with
-                  another launch (`parse_variant`: warps, candidates a count tile, the merge order)
+                  another launch (`parse_variant`: warps, candidates a count tile, the merge order,
+                  candidates gathered by loads)
                   than the library's (`tree_build.tree_build_config`)
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
@@ -180,13 +181,14 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
 
 def parse_variant(name: str) -> TreeBuildConfig:
     """A tree-build launch from its name: ``w<warps>`` (default 4), ``c<candidates a count tile>``
-    (default 0, one tile), and ``m`` for the merge order (else the count order), in that order:
-    ``w16``, ``c32m``, ``w8c32m``."""
-    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?(m?)", name)
+    (default 0, one tile), ``m`` for the merge order (else the count order) and ``g`` for candidates
+    gathered by loads (else one-hot reductions), in that order: ``w16``, ``c32m``, ``w16c32mg``."""
+    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?(m?)(g?)", name)
     if not name or match is None:
-        raise ValueError(f"a kernel variant is w<warps>, c<chunk> and m (merge) in that order, got {name!r}")
-    warps, chunk, merge = match.groups()
-    return TreeBuildConfig(num_warps=int(warps or 4), chunk=int(chunk or 0), order="merge" if merge else "count")
+        raise ValueError(f"a kernel variant is w<warps>, c<chunk>, m (merge) and g (loads) in that order, got {name!r}")
+    warps, chunk, merge, loads = match.groups()
+    return TreeBuildConfig(num_warps=int(warps or 4), chunk=int(chunk or 0), order="merge" if merge else "count",
+                           gather="loads" if loads else "onehot")
 
 
 def parse_ints(flag: str, text: str) -> list[int]:
@@ -205,8 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the trees (0 = none)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--kernel-variants", default="",
-                    help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk>m "
-                         "(each part optional; m: the merge order), e.g. w16,c32m,w8c32m")
+                    help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk>mg "
+                         "(each part optional; m: the merge order; g: loads), e.g. w16,c32m,w16c32mg")
     ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)

@@ -7,8 +7,10 @@ as two reductions per depth (28 kernels of about a microsecond at ``L = 15`` on 
 global order's own; here the whole of it is one program per request:
 
 - each depth's candidates are the static pairs (beam entry ``i``, rank ``r``) with
-  ``(i + 1)(r + 1) <= B``, gathered from the beam and the depth's row by one-hot reductions, in
-  chunks of ``chunk`` candidates (`TreeBuildConfig`; ``0``: one chunk of all of them);
+  ``(i + 1)(r + 1) <= B``, gathered from the beam and the depth's row by one-hot reductions
+  (``gather="onehot"``) or by indexed loads, the beam stored to a scratch output between two
+  barriers (``gather="loads"``), in chunks of ``chunk`` candidates (`TreeBuildConfig`; ``0``: one
+  chunk of all of them);
 - a candidate's rank is a pairwise count over (``-logw``, packed rank-tuple words, index), chunk
   against chunk, so that no tile is larger than ``chunk x chunk``; the new beam is a one-hot
   selection by rank, the beams kept as rows of ``[L2, B]`` tiles;
@@ -41,17 +43,20 @@ MAX_CHUNKS = 16  # chunks a depth: chunks^2 count tiles are unrolled in the prog
 COUNT_ORDER_MAX_BUDGET = 32  # the count order's [L2, B, B] tiles
 WARPS = (1, 2, 4, 8, 16)
 ORDERS = ("count", "merge")
+GATHERS = ("onehot", "loads")
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeBuildConfig:
     """Launch of the tree-build kernel: ``num_warps`` Triton warps a program (one of `WARPS`),
     ``chunk`` candidates a count tile side (``0``: all of a depth's candidates in one tile, padded
-    to a power of two; else a power of two in [8, `MAX_TILE`]), ``order`` of the beams (`ORDERS`)."""
+    to a power of two; else a power of two in [8, `MAX_TILE`]), ``order`` of the beams (`ORDERS`),
+    ``gather`` of a depth's candidates from the beam and the row (`GATHERS`)."""
 
     num_warps: int = 4
     chunk: int = 0
     order: str = "count"
+    gather: str = "onehot"
 
     def __post_init__(self):
         if self.num_warps not in WARPS:
@@ -61,6 +66,8 @@ class TreeBuildConfig:
                              f"got {self.chunk!r}")
         if self.order not in ORDERS:
             raise ValueError(f"TreeBuildConfig.order must be one of {ORDERS}, got {self.order!r}")
+        if self.gather not in GATHERS:
+            raise ValueError(f"TreeBuildConfig.gather must be one of {GATHERS}, got {self.gather!r}")
 
     def supports(self, budget: int, k: int) -> bool:
         """Whether this launch takes a budget and width `kernel_supports` takes: its count tiles
@@ -156,17 +163,21 @@ def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
     tok = jnp.pad(tok_BLK, pad)
     bits, per_word, words = rank_packing(k, depth)
     kernel = functools.partial(_kernel, budget=budget, k=k, depth=depth, bits=bits, per_word=per_word, words=words,
-                               tile=tile, chunks=chunks, order=config.order)
+                               tile=tile, chunks=chunks, order=config.order, gather=config.gather,
+                               barrier=not interpret)
     row_spec = pl.BlockSpec((None, depth2, k2), lambda b: (b, 0, 0))
     pair_spec = pl.BlockSpec((tile * chunks,), lambda b: (0,))
     out_spec = pl.BlockSpec((None, budget), lambda b: (b, 0))
-    ints = jax.ShapeDtypeStruct((batch, budget), jnp.int32)
+    ints, floats = jax.ShapeDtypeStruct((batch, budget), jnp.int32), jax.ShapeDtypeStruct((batch, budget), jnp.float32)
+    out_specs, out_shape = [out_spec] * 4, [ints, ints, ints, floats]
+    if config.gather == "loads":  # scratch: the beam's logw and rank words, which the candidates load from
+        out_specs += [out_spec, pl.BlockSpec((None, words, budget), lambda b: (b, 0, 0))]
+        out_shape += [floats, jax.ShapeDtypeStruct((batch, words, budget), jnp.int32)]
     return pl.pallas_call(
-        kernel, grid=(batch,), in_specs=[row_spec, row_spec, pair_spec, pair_spec], out_specs=[out_spec] * 4,
-        out_shape=[ints, ints, ints, jax.ShapeDtypeStruct((batch, budget), jnp.float32)],
-        interpret=interpret, name="tree_build",
+        kernel, grid=(batch,), in_specs=[row_spec, row_spec, pair_spec, pair_spec], out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret, name="tree_build",
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1),
-    )(lp, tok, jnp.asarray(pair_i), jnp.asarray(pair_r))
+    )(lp, tok, jnp.asarray(pair_i), jnp.asarray(pair_r))[:4]
 
 
 def _iota(shape, axis):
@@ -195,9 +206,12 @@ def _precedes(keys_q, keys_p, before):
     return before
 
 
-def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out, logw_out, *, budget, k, depth,
-            bits, per_word, words, tile, chunks, order):
-    """Program b: request b's beam over the ``[L2, K2]`` rows, then its ``budget`` first entries."""
+def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out, logw_out, *scratch, budget, k,
+            depth, bits, per_word, words, tile, chunks, order, gather, barrier):
+    """Program b: request b's beam over the ``[L2, K2]`` rows, then its ``budget`` first entries.
+    ``scratch``: with ``gather="loads"``, the beam's ``[B]`` logw and ``[words, B]`` rank words;
+    ``barrier``: whether to synchronise the program's threads around their stores (not in the
+    interpreter, which runs them in order)."""
     neg = jnp.float32(-jnp.inf)
     depth2, k2 = lp_ref.shape
     width = budget
@@ -216,15 +230,40 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
     acc_words = [jnp.where(at_row0, w[None, :], 0) for w in beam_words]
     pair_chunks = [(pair_i_ref[pl.ds(a * tile, tile)], pair_r_ref[pl.ds(a * tile, tile)]) for a in range(chunks)]
 
-    def candidates(d, logw, beam_words, pair_i, pair_r):
-        """A chunk's candidates at depth d: (logw, token, rank-tuple words)."""
+    def publish(logw, beam_words):
+        """``gather="loads"``: the beam into the scratch, once every thread has read the last one."""
+        logw_buf, words_buf = scratch
+        if barrier:
+            plt.debug_barrier()
+        logw_buf[...] = logw
+        for x, w in enumerate(beam_words):
+            words_buf[x, :] = w
+        if barrier:
+            plt.debug_barrier()
+
+    def gathered(d, logw, beam_words, pair_i, pair_r):
+        """A chunk's beam entries and row entries: ``(beam logw, beam words, row lp, row tokens)``."""
+        if gather == "loads":  # padding pairs (i = B, r = K2) load a clamped entry, then take the one-hot's values
+            logw_buf, words_buf = scratch
+            real = pair_i < width
+            i, r = jnp.minimum(pair_i, width - 1), jnp.minimum(pair_r, k2 - 1)
+            d_T = jnp.full((tile,), d, jnp.int32)
+            return (jnp.where(real, plt.load(logw_buf.at[i]), neg),
+                    [jnp.where(real, plt.load(words_buf.at[jnp.full((tile,), x, jnp.int32), i]), 0)
+                     for x in range(words)],
+                    jnp.where(real, plt.load(lp_ref.at[d_T, r]), neg), jnp.where(real, plt.load(tok_ref.at[d_T, r]), 0))
         lp_d, tok_d = lp_ref[pl.ds(d, 1), :][0], tok_ref[pl.ds(d, 1), :][0]
         from_beam = pair_i[:, None] == _iota((tile, width), 1)
         from_row = pair_r[:, None] == _iota((tile, k2), 1)
+        return (_take(from_beam, logw, neg), [_take(from_beam, w, 0) for w in beam_words], _take(from_row, lp_d, neg),
+                _take(from_row, tok_d, 0))
+
+    def candidates(d, logw, beam_words, pair_i, pair_r):
+        """A chunk's candidates at depth d: (logw, token, rank-tuple words)."""
+        beam_logw, beam_w, row_lp, row_tok = gathered(d, logw, beam_words, pair_i, pair_r)
         word = jax.lax.div(d, jnp.int32(per_word))  # d >= 0: lax's truncating div and rem are the floor ones
         new_rank = jnp.where(pair_r < k, pair_r + 1, 0) << (bits * (per_word - 1 - jax.lax.rem(d, jnp.int32(per_word))))
-        return (_take(from_beam, logw, neg) + _take(from_row, lp_d, neg), _take(from_row, tok_d, 0),
-                [_take(from_beam, w, 0) + jnp.where(word == x, new_rank, 0) for x, w in enumerate(beam_words)])
+        return beam_logw + row_lp, row_tok, [w + jnp.where(word == x, new_rank, 0) for x, w in enumerate(beam_w)]
 
     # The launches' times on an H200 fit about 0.3 us per reduction across the program's warps
     # (docs/design.md), so the chunks' tiles are added up elementwise and reduced once: a rank takes
@@ -240,6 +279,8 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
 
     def extend(d, carry):
         logw, beam_words, acc_logw, acc_tok, acc_par, acc_words = carry
+        if gather == "loads":
+            publish(logw, beam_words)
         cands = [candidates(d, logw, beam_words, pair_i, pair_r) for pair_i, pair_r in pair_chunks]
         keys = [[-cand_logw, *cand_words] for cand_logw, _, cand_words in cands]
         picked = None

@@ -55,18 +55,21 @@ def assert_equal_nodes(got, want):
 
 
 MERGE = TreeBuildConfig(chunk=8, order="merge")
+LOADS = TreeBuildConfig(gather="loads")
 # (batch, depth, vocab, budget, k, launch; None: `tree_build_config`'s): compiled once each. Budgets 2
 # to 64 with k = budget and below it (a per-depth cap, k = 1 a chain), depth 1, the embedded drafter's
 # 15 and the most, 16; rank tuples in one word (k = 1) and in several (k = 16, 32, 64: three, four and
 # four words at depth 15); fewer candidate paths than the budget (vocab 3: padding nodes, -inf entries
 # in the rows); one count tile and chunks of 8 to 64 candidates (a last chunk part padding); the count
-# order and the merge.
+# order and the merge; candidates gathered by one-hot reductions and by loads.
 SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8, None), (2, 3, 3, 16, 3, None),
           (1, 1, 50, 4, 4, None), (2, 16, 100, 32, 4, None), (1, 7, 64, 16, 1, None), (2, 9, 64, 32, 32, None),
           (1, 2, 5, 2, 2, None), (2, 15, 300, 64, 64, None),
           (1, 16, 40, 64, 4, TreeBuildConfig(chunk=64, order="merge")), (2, 15, 300, 16, 16, MERGE),
           (2, 3, 3, 16, 3, MERGE), (1, 1, 50, 4, 4, MERGE), (1, 2, 5, 2, 2, MERGE),
-          (2, 9, 64, 32, 32, TreeBuildConfig(chunk=32)), (2, 9, 64, 32, 32, TreeBuildConfig(order="merge"))]
+          (2, 9, 64, 32, 32, TreeBuildConfig(chunk=32)), (2, 9, 64, 32, 32, TreeBuildConfig(order="merge")),
+          (2, 15, 300, 16, 16, LOADS), (2, 3, 3, 16, 3, LOADS), (1, 2, 5, 2, 2, LOADS),
+          (2, 15, 300, 64, 64, TreeBuildConfig(num_warps=16, chunk=32, order="merge", gather="loads"))]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -90,11 +93,14 @@ def test_reference_equals_library_beyond_the_kernel(budget, k):
 @pytest.mark.parametrize("budget, k, depth, config", [
     (16, 16, 15, None), (16, 4, 15, None), (32, 32, 15, None), (32, 32, 15, TreeBuildConfig(num_warps=16)),
     (64, 64, 15, None), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=64, order="merge")),
-    (16, 16, 15, TreeBuildConfig(chunk=16, order="merge")), (2, 1, 1, TreeBuildConfig(num_warps=1))])
+    (16, 16, 15, TreeBuildConfig(chunk=16, order="merge")), (2, 1, 1, TreeBuildConfig(num_warps=1)),
+    (16, 16, 15, LOADS), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=32, order="merge", gather="loads"))])
 def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
     (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, config=config), *shapes)
     assert "tt.reduce" in module
+    # loads: the threads meet before and after the beam's stores, which the candidates then load
+    assert ("gpu.barrier" in module) == (config is not None and config.gather == "loads")
 
 
 def test_kernel_supports_power_of_two_budgets_up_to_64():
@@ -132,7 +138,8 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="config 4 does not take"):
         tree_nodes(lp, ids, budget=4, config=4)
     for field, value, message in [("num_warps", 3, "num_warps must be one of"), ("chunk", 12, "chunk must be 0 or"),
-                                  ("chunk", 256, "chunk must be 0 or"), ("order", "sort", "order must be one of")]:
+                                  ("chunk", 256, "chunk must be 0 or"), ("order", "sort", "order must be one of"),
+                                  ("gather", "scan", "gather must be one of")]:
         with pytest.raises(ValueError, match=message):
             TreeBuildConfig(**{field: value})
 
