@@ -8,9 +8,9 @@ global order's own; here the whole of it is one program per request:
 
 - each depth's candidates are the static pairs (beam entry ``i``, rank ``r``) with
   ``(i + 1)(r + 1) <= B``, gathered from the beam and the depth's row by one-hot reductions
-  (``gather="onehot"``) or by indexed loads, the beam stored to a scratch output between two
-  barriers (``gather="loads"``), in chunks of ``chunk`` candidates (`TreeBuildConfig`; ``0``: one
-  chunk of all of them);
+  (``gather="onehot"``) or by indexed loads, each depth's beam stored as a row of scratch outputs
+  behind a barrier (``gather="loads"``; the merge order then loads the rows' heads too), in chunks of
+  ``chunk`` candidates (`TreeBuildConfig`; ``0``: one chunk of all of them);
 - a candidate's rank is a pairwise count over (``-logw``, packed rank-tuple words, index), chunk
   against chunk, so that no tile is larger than ``chunk x chunk``; the new beam is a one-hot
   selection by rank, the beams kept as rows of ``[L2, B]`` tiles;
@@ -170,9 +170,12 @@ def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
     out_spec = pl.BlockSpec((None, budget), lambda b: (b, 0))
     ints, floats = jax.ShapeDtypeStruct((batch, budget), jnp.int32), jax.ShapeDtypeStruct((batch, budget), jnp.float32)
     out_specs, out_shape = [out_spec] * 4, [ints, ints, ints, floats]
-    if config.gather == "loads":  # scratch: the beam's logw and rank words, which the candidates load from
-        out_specs += [out_spec, pl.BlockSpec((None, words, budget), lambda b: (b, 0, 0))]
-        out_shape += [floats, jax.ShapeDtypeStruct((batch, words, budget), jnp.int32)]
+    if config.gather == "loads":  # scratch: each depth's beam, which the candidates and the merge load from
+        tile_spec = pl.BlockSpec((None, depth2, budget), lambda b: (b, 0, 0))
+        out_specs += [tile_spec] * 3 + [pl.BlockSpec((None, words, depth2, budget), lambda b: (b, 0, 0, 0))]
+        out_shape += [jax.ShapeDtypeStruct((batch, *shape), dtype) for shape, dtype in (
+            ((depth2, budget), jnp.float32), ((depth2, budget), jnp.int32), ((depth2, budget), jnp.int32),
+            ((words, depth2, budget), jnp.int32))]
     return pl.pallas_call(
         kernel, grid=(batch,), in_specs=[row_spec, row_spec, pair_spec, pair_spec], out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="tree_build",
@@ -209,9 +212,9 @@ def _precedes(keys_q, keys_p, before):
 def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out, logw_out, *scratch, budget, k,
             depth, bits, per_word, words, tile, chunks, order, gather, barrier):
     """Program b: request b's beam over the ``[L2, K2]`` rows, then its ``budget`` first entries.
-    ``scratch``: with ``gather="loads"``, the beam's ``[B]`` logw and ``[words, B]`` rank words;
-    ``barrier``: whether to synchronise the program's threads around their stores (not in the
-    interpreter, which runs them in order)."""
+    ``scratch``: with ``gather="loads"``, every depth's beam as a row, ``[L2, B]`` logw, tokens and
+    parents and ``[words, L2, B]`` rank words; ``barrier``: whether to synchronise the program's threads
+    between their stores and loads (not in the interpreter, which runs them in order)."""
     neg = jnp.float32(-jnp.inf)
     depth2, k2 = lp_ref.shape
     width = budget
@@ -223,33 +226,34 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
     beam_rank = jnp.where(_iota((width,), 0) < k, _iota((width,), 0), 0)
     beam_words = [((beam_rank + 1) << (bits * (per_word - 1))) if x == 0 else jnp.zeros((width,), jnp.int32)
                   for x in range(words)]
+    tok = _take(first, tok_ref[0, :], 0)
     at_row0 = rows == 0
     acc_logw = jnp.where(at_row0, logw[None, :], neg)
-    acc_tok = jnp.where(at_row0, _take(first, tok_ref[0, :], 0)[None, :], 0)
+    acc_tok = jnp.where(at_row0, tok[None, :], 0)
     acc_par = jnp.full((depth2, width), -1, jnp.int32)
     acc_words = [jnp.where(at_row0, w[None, :], 0) for w in beam_words]
     pair_chunks = [(pair_i_ref[pl.ds(a * tile, tile)], pair_r_ref[pl.ds(a * tile, tile)]) for a in range(chunks)]
 
-    def publish(logw, beam_words):
-        """``gather="loads"``: the beam into the scratch, once every thread has read the last one."""
-        logw_buf, words_buf = scratch
-        if barrier:
-            plt.debug_barrier()
-        logw_buf[...] = logw
+    def publish(d, logw, tok, parent, beam_words):
+        """``gather="loads"``: depth d's beam into row d of the scratch, then a barrier, after which every
+        thread may load it."""
+        logw_buf, tok_buf, par_buf, words_buf = scratch
+        for buf, values in ((logw_buf, logw), (tok_buf, tok), (par_buf, parent)):
+            buf[pl.ds(d, 1), :] = values[None, :]
         for x, w in enumerate(beam_words):
-            words_buf[x, :] = w
+            words_buf[x, pl.ds(d, 1), :] = w[None, :]
         if barrier:
             plt.debug_barrier()
 
     def gathered(d, logw, beam_words, pair_i, pair_r):
         """A chunk's beam entries and row entries: ``(beam logw, beam words, row lp, row tokens)``."""
         if gather == "loads":  # padding pairs (i = B, r = K2) load a clamped entry, then take the one-hot's values
-            logw_buf, words_buf = scratch
+            logw_buf, _, _, words_buf = scratch
             real = pair_i < width
             i, r = jnp.minimum(pair_i, width - 1), jnp.minimum(pair_r, k2 - 1)
-            d_T = jnp.full((tile,), d, jnp.int32)
-            return (jnp.where(real, plt.load(logw_buf.at[i]), neg),
-                    [jnp.where(real, plt.load(words_buf.at[jnp.full((tile,), x, jnp.int32), i]), 0)
+            d_T, above_T = jnp.full((tile,), d, jnp.int32), jnp.full((tile,), d - 1, jnp.int32)
+            return (jnp.where(real, plt.load(logw_buf.at[above_T, i]), neg),
+                    [jnp.where(real, plt.load(words_buf.at[jnp.full((tile,), x, jnp.int32), above_T, i]), 0)
                      for x in range(words)],
                     jnp.where(real, plt.load(lp_ref.at[d_T, r]), neg), jnp.where(real, plt.load(tok_ref.at[d_T, r]), 0))
         lp_d, tok_d = lp_ref[pl.ds(d, 1), :][0], tok_ref[pl.ds(d, 1), :][0]
@@ -265,7 +269,7 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
         new_rank = jnp.where(pair_r < k, pair_r + 1, 0) << (bits * (per_word - 1 - jax.lax.rem(d, jnp.int32(per_word))))
         return beam_logw + row_lp, row_tok, [w + jnp.where(word == x, new_rank, 0) for x, w in enumerate(beam_w)]
 
-    # The launches' times on an H200 fit about 0.3 us per reduction across the program's warps
+    # The launches' times on an H200 fit about 0.23 us per reduction across the program's warps
     # (docs/design.md), so the chunks' tiles are added up elementwise and reduced once: a rank takes
     # one reduction, not one per chunk, and so does each field of the new beam.
     def rank(keys_a, keys, a):
@@ -279,8 +283,6 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
 
     def extend(d, carry):
         logw, beam_words, acc_logw, acc_tok, acc_par, acc_words = carry
-        if gather == "loads":
-            publish(logw, beam_words)
         cands = [candidates(d, logw, beam_words, pair_i, pair_r) for pair_i, pair_r in pair_chunks]
         keys = [[-cand_logw, *cand_words] for cand_logw, _, cand_words in cands]
         picked = None
@@ -290,15 +292,22 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
                      for values, low in ((cand_logw, neg), (cand_tok, 0), (pair_i, 0), *((w, 0) for w in cand_words))]
             picked = tiles if picked is None else [_combine(p, t) for p, t in zip(picked, tiles)]
         logw, tok, parent, *beam_words = [_collapse(p) for p in picked]
+        if gather == "loads":
+            publish(d, logw, tok, parent, beam_words)
         at_row = rows == d
         return (logw, beam_words, jnp.where(at_row, logw[None, :], acc_logw), jnp.where(at_row, tok[None, :], acc_tok),
                 jnp.where(at_row, parent[None, :], acc_par),
                 [jnp.where(at_row, w[None, :], a) for w, a in zip(beam_words, acc_words)])
 
+    if gather == "loads":
+        publish(0, logw, tok, jnp.full((width,), -1, jnp.int32), beam_words)
     carry = (logw, beam_words, acc_logw, acc_tok, acc_par, acc_words)
     _, _, acc_logw, acc_tok, acc_par, acc_words = jax.lax.fori_loop(1, depth, extend, carry)
-    order_fn = _count_order if order == "count" else _merge_order
-    fields = order_fn(acc_logw, acc_tok, acc_par, acc_words, budget=budget)
+    if order == "count":
+        fields = _count_order(acc_logw, acc_tok, acc_par, acc_words, budget=budget)
+    else:
+        fields = _merge_order(acc_logw, acc_tok, acc_par, acc_words, budget=budget, depth=depth,
+                              scratch=scratch if gather == "loads" else None)
     for out, field in zip((tok_out, par_out, depth_out, logw_out), fields):
         out[...] = field
 
@@ -341,33 +350,47 @@ def _count_order(acc_logw, acc_tok, acc_par, acc_words, *, budget):
     return fields
 
 
-def _merge_order(acc_logw, acc_tok, acc_par, acc_words, *, budget):
+def _merge_order(acc_logw, acc_tok, acc_par, acc_words, *, budget, depth, scratch=None):
     """`_count_order`'s fields by merging the rows: each row is a beam, sorted by (-logw, words) with
     distinct words, so output slot s is the best of the rows' heads (ties by row, which only -inf
-    entries can reach), and a popped entry's parent, which sorts before it, is numbered already."""
+    entries can reach), and a popped entry's parent, which sorts before it, is numbered already.
+    The rows' heads are one-hot reductions over the ``[L2, B]`` tiles, or with `_kernel`'s ``scratch``
+    (its first ``depth`` rows stored and behind a barrier) indexed loads."""
     neg = jnp.float32(-jnp.inf)
     depth2, width = acc_logw.shape
     rows, cols = _iota((depth2, width), 0), _iota((depth2, width), 1)
     row_ids, slots = _iota((depth2,), 0), _iota((budget,), 0)
     int_max = jnp.int32(np.iinfo(np.int32).max)
 
+    def heads(head_of):
+        """The rows' head entries: ``[L2]`` logw, tokens, parents and each rank word (a row past its end:
+        -inf and zeros)."""
+        if scratch is None:
+            head = cols == head_of[:, None]
+            return (jnp.max(jnp.where(head, acc_logw, neg), axis=1),
+                    *[jnp.sum(jnp.where(head, a, 0), axis=1) for a in (acc_tok, acc_par, *acc_words)])
+        logw_buf, tok_buf, par_buf, words_buf = scratch
+        live, h = (head_of < width) & (row_ids < depth), jnp.minimum(head_of, width - 1)
+        ints = [plt.load(buf.at[row_ids, h]) for buf in (tok_buf, par_buf)]
+        ints += [plt.load(words_buf.at[jnp.full((depth2,), x, jnp.int32), row_ids, h]) for x in range(len(acc_words))]
+        return jnp.where(live, plt.load(logw_buf.at[row_ids, h]), neg), *[jnp.where(live, v, 0) for v in ints]
+
     def pop(s, carry):
         head_of, node, tok_s, par_s, depth_s, logw_s = carry  # head_of[d]: row d's next entry
-        head = cols == head_of[:, None]
-        best_key = -jnp.max(jnp.where(head, acc_logw, neg), axis=1)  # a row past its end: -inf, words 0
-        key_min = jnp.min(best_key)  # -logw of the entry popped
-        best = best_key == key_min
-        for a in acc_words:
-            key = jnp.sum(jnp.where(head, a, 0), axis=1)
+        head_logw, head_tok, head_par, *head_words = heads(head_of)
+        key_min = jnp.min(-head_logw)  # -logw of the entry popped
+        best = -head_logw == key_min
+        for key in head_words:
             best = best & (key == jnp.min(jnp.where(best, key, int_max)))
         d = jnp.min(jnp.where(best, row_ids, depth2))
-        at = (rows == d) & head
+        at_d = row_ids == d
         logw = -key_min
-        above = jnp.sum(jnp.where(at, acc_par, 0))
+        above = jnp.sum(jnp.where(at_d, head_par, 0))
         parent = jnp.sum(jnp.where((rows == d - 1) & (cols == above), node, 0))  # 0 (the root) at d = 0
         real, slot = logw > neg, slots == s
-        return (head_of + (row_ids == d).astype(jnp.int32), jnp.where(at, s + 1, node),
-                jnp.where(slot & real, jnp.sum(jnp.where(at, acc_tok, 0)), tok_s),
+        at = (rows == d) & (cols == head_of[:, None])
+        return (head_of + at_d.astype(jnp.int32), jnp.where(at, s + 1, node),
+                jnp.where(slot & real, jnp.sum(jnp.where(at_d, head_tok, 0)), tok_s),
                 jnp.where(slot & real, parent, par_s), jnp.where(slot & real, d + 1, depth_s),
                 jnp.where(slot & real, logw, logw_s))
 

@@ -69,6 +69,7 @@ SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8
           (2, 3, 3, 16, 3, MERGE), (1, 1, 50, 4, 4, MERGE), (1, 2, 5, 2, 2, MERGE),
           (2, 9, 64, 32, 32, TreeBuildConfig(chunk=32)), (2, 9, 64, 32, 32, TreeBuildConfig(order="merge")),
           (2, 15, 300, 16, 16, LOADS), (2, 3, 3, 16, 3, LOADS), (1, 2, 5, 2, 2, LOADS),
+          (2, 3, 3, 16, 3, TreeBuildConfig(order="merge", gather="loads")),
           (2, 15, 300, 64, 64, TreeBuildConfig(num_warps=16, chunk=32, order="merge", gather="loads"))]
 
 
