@@ -51,7 +51,8 @@ class TreeBuildConfig:
     """Launch of the tree-build kernel: ``num_warps`` Triton warps a program (one of `WARPS`),
     ``chunk`` candidates a count tile side (``0``: all of a depth's candidates in one tile, padded
     to a power of two; else a power of two in [8, `MAX_TILE`]), ``order`` of the beams (`ORDERS`),
-    ``gather`` of a depth's candidates from the beam and the row (`GATHERS`)."""
+    ``gather`` of a depth's candidates from the beam and the row, and of the merge's row heads
+    (`GATHERS`)."""
 
     num_warps: int = 4
     chunk: int = 0
