@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 from ddtree_jax import engine  # noqa: E402
 from ddtree_jax.experiments import bench  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
+from experiments.common import parse_ints  # noqa: E402
 from pallas_kernels import configs, split_k, tree_attention  # noqa: E402
 
 
@@ -101,9 +102,7 @@ def main(argv=None) -> int:
     if not names or len(set(names)) != len(names):
         raise ValueError(f"--variants must name distinct variants, got {args.variants!r}")
     parsed = [(name, *parse_variant(name)) for name in names]
-    budgets = [int(b) for b in args.budgets.split(",") if b.strip().lstrip("-").isdigit()]
-    if not budgets or len(budgets) != len(args.budgets.split(",")) or min(budgets) < 1:
-        raise ValueError(f"--budgets must be a comma-separated list of ints >= 1, got {args.budgets!r}")
+    budgets = parse_ints("budgets", args.budgets)
     for name, value in (("context", args.context), ("repeats", args.repeats)):
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")

@@ -59,7 +59,7 @@ from ddtree_jax.tree import (  # noqa: E402
     tree_from_top_k,
     tree_positions,
 )
-from experiments.common import median_ms  # noqa: E402
+from experiments.common import median_ms, parse_ints  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig, kernel_supports, tree_build_config, tree_nodes  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
@@ -189,13 +189,6 @@ def parse_variant(name: str) -> TreeBuildConfig:
     warps, chunk, merge, loads = match.groups()
     return TreeBuildConfig(num_warps=int(warps or 4), chunk=int(chunk or 0), order="merge" if merge else "count",
                            gather="loads" if loads else "onehot")
-
-
-def parse_ints(flag: str, text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v]
-    if not values or min(values) < 1:
-        raise ValueError(f"--{flag} must be a comma-separated list of ints >= 1, got {text!r}")
-    return values
 
 
 def main(argv=None) -> int:
