@@ -193,9 +193,10 @@ def _take(hit, values, low):
     return _collapse(jnp.where(hit, values[None, :], low))
 
 
-def _collapse(picked):
-    """`_take`'s reduction of a ``[P, Q]`` tile of picked values and ``low`` fillers over ``Q``."""
-    return jnp.max(picked, axis=1) if jnp.issubdtype(picked.dtype, jnp.floating) else jnp.sum(picked, axis=1)
+def _collapse(picked, axis=1):
+    """`_take`'s reduction of a tile of picked values and ``low`` fillers over ``axis``: the max of
+    floats (filled with -inf), the sum of ints (filled with 0)."""
+    return jnp.max(picked, axis=axis) if jnp.issubdtype(picked.dtype, jnp.floating) else jnp.sum(picked, axis=axis)
 
 
 def _combine(a, b):
@@ -344,10 +345,8 @@ def _count_order(acc_logw, acc_tok, acc_par, acc_words, *, budget):
     fields = []
     for field in (jnp.where(real, acc_tok, 0), jnp.where(real, parent, -1), jnp.where(real, rows + 1, 0),
                   jnp.where(real, acc_logw, neg)):  # slot s takes the entry ordered s-th: a reduction over the tiles
-        floating = jnp.issubdtype(field.dtype, jnp.floating)
-        picked = jnp.where(hit, field[None, :, :], neg if floating else 0)
-        reduce = jnp.max if floating else jnp.sum
-        fields.append(reduce(reduce(picked, axis=2), axis=1))
+        picked = jnp.where(hit, field[None, :, :], neg if jnp.issubdtype(field.dtype, jnp.floating) else 0)
+        fields.append(_collapse(_collapse(picked, axis=2)))
     return fields
 
 
@@ -368,8 +367,8 @@ def _merge_order(acc_logw, acc_tok, acc_par, acc_words, *, budget, depth, scratc
         -inf and zeros)."""
         if scratch is None:
             head = cols == head_of[:, None]
-            return (jnp.max(jnp.where(head, acc_logw, neg), axis=1),
-                    *[jnp.sum(jnp.where(head, a, 0), axis=1) for a in (acc_tok, acc_par, *acc_words)])
+            return (_collapse(jnp.where(head, acc_logw, neg)),
+                    *[_collapse(jnp.where(head, a, 0)) for a in (acc_tok, acc_par, *acc_words)])
         logw_buf, tok_buf, par_buf, words_buf = scratch
         live, h = (head_of < width) & (row_ids < depth), jnp.minimum(head_of, width - 1)
         ints = [plt.load(buf.at[row_ids, h]) for buf in (tok_buf, par_buf)]
