@@ -5,10 +5,10 @@ top-k, draft temperature, budget policy (`ddtree_jax.budget`) and draft vocabula
 drafts from the W most frequent tokens, `ddtree_jax.draft_vocab`; 0 = all). The grid is the product
 of the knob lists, canonicalised so that knobs a cell ignores take their neutral value and
 duplicates vanish: AR has no tree (budget 0, cap 0) and no drafter (draft temperature 1, draft
-vocabulary 0); the chain is the
-drafter's argmax per slot (budget L, cap 1, draft temperature 1); both have the fixed policy; greedy
-cells (temperature 0) have top-p 1 and top-k 0; a cap of at least the budget is no cap (0). Top-p
-and top-k vary one at a time (the other off) unless ``cross_truncation``.
+vocabulary 0); the chain is the drafter's argmax per slot (budget L, cap 1, draft temperature 1);
+both have the fixed policy; greedy cells (temperature 0) have top-p 1 and top-k 0; a cap of at least
+the budget is no cap (0). Top-p and top-k vary one at a time (the other off) unless
+``cross_truncation``.
 
 Each cell generates ``new_tokens`` tokens for every held-out prompt (no stop token), prompt ``i``
 with request id ``i`` and ``jax.random.key(seed)``, so all cells see the same prompts and the same
@@ -151,8 +151,7 @@ QUICK = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 16, 64), topk_caps=(
 FULL = dict(methods=("ar", "chain", "ddtree"), budgets=(4, 8, 16, 32, 64, 128, 256), topk_caps=(0, 8),
             temperatures=(0.0, 0.6, 1.0), top_ps=(1.0, 0.95, 0.8), top_ks=(0, 20, 5),
             draft_temperatures=(0.4, 0.6, 1.0, 1.5), budget_policies=("fixed",), draft_vocabs=(0,), prompts=64,
-            prompt_tokens=64,
-            new_tokens=128, out="ddtree-sweep/sweep.csv")
+            prompt_tokens=64, new_tokens=128, out="ddtree-sweep/sweep.csv")
 
 
 def _check_values(name, values, ok, rule) -> None:
