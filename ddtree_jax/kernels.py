@@ -36,9 +36,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
 The tree build (``build_impl``): its beam and global order are the tree-build kernel, one program per
 request, on a supported GPU without a mesh for budgets of at most `TREE_KERNEL_MAX_BUDGET` drafts that
 the kernel takes (powers of two; 16 is the CLI's default), XLA's ops elsewhere (``ddtree_jax.tree``):
-on an H200 the kernel built B = 16 trees 30% faster, and with its fastest launches B = 32 and B = 64
-trees' beams 1.4 and 6 times slower than XLA's. ``pallas`` runs it at every budget it takes (up to
-64), with `tree_build.tree_build_config`'s launch.
+on an H200 the kernel's beam and order took 0.056 ms against XLA's 0.104 at B = 16 and 0.098 against
+0.119 at B = 32, but 0.378 against 0.139 at B = 64. ``pallas`` runs it at every budget it takes (up
+to 64), with `tree_build.tree_build_config`'s launch.
 
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
@@ -258,11 +258,10 @@ def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None
 
 
 # ``auto`` builds trees of at most this many drafts with the tree-build kernel. Measured on an H200
-# (experiments/bench_tree_build.py, build + mask + positions in a loop, XLA against the kernel in one
-# process, BENCHMARKS.md): at batch 1, B = 16 0.157 -> 0.111 ms (cap 4: 0.182 -> 0.108), B = 4 and 8
-# with cap 4 0.155 -> 0.071 and 0.169 -> 0.076; B = 32 0.187 -> 0.437 ms (cap 4: 0.201 -> 0.276). The
-# beam alone with the fastest launches of 2026-12-05: B = 32 0.115 (XLA) -> 0.160 ms, B = 64 0.146 -> 0.869.
-TREE_KERNEL_MAX_BUDGET = 16
+# (experiments/bench_tree_build.py, the beam and global order in a loop, XLA against the kernel's
+# `tree_build_config` launch in one process, K = B, BENCHMARKS.md): at batch 1, B = 16 0.104 -> 0.056 ms,
+# B = 32 0.119 -> 0.098 ms, B = 64 0.139 -> 0.378 ms.
+TREE_KERNEL_MAX_BUDGET = 32
 
 
 def tree_build_fn(impl: str, mesh: Mesh | None = None):

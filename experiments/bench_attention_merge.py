@@ -1,7 +1,7 @@
 """A/B of the attention's split-K merge and split policy inside the engine's rounds, in one process.
 
-At batch 1 the tree-attention kernel cuts a request's KV prefix into many splits (27 at a 5k-slot
-cache on an H200), and XLA merges their partial outputs in two fusions per layer (the running maxima
+At batch 1 the tree-attention kernel cuts a request's KV prefix into splits so that one request fills
+the GPU (27 at a 5k-slot cache on an H200 without a bound on their number), and XLA merges their partial outputs in two fusions per layer (the running maxima
 and sums, then the weighted sum of the outputs fused with the pad of the output projection's rows);
 the partial outputs are float32 ``[splits, rows, head_dim]``, 7.5 MB a layer for a 16-node tree.
 This script compiles the AR round (the decode step) and a DDTree round per ``--budgets`` at Qwen3-8B
@@ -16,6 +16,7 @@ shapes, random weights, once per variant, and times them back to back, the varia
                  first, so that the output's fusion only multiplies and adds
   chunk_<C>      the split policy's minimum chunk set to C slots (fewer splits to merge)
   programs_<P>   the split policy's minimum programs set to P (fewer splits to merge)
+  splits_<S>     at most S splits (``max_splits``)
 
 Prints a table and writes JSON. Off a GPU the attention is XLA's and every variant is the same program.
 
@@ -56,7 +57,7 @@ def merge_weights_first(o_XJMD, m_XJM, l_XJM):
 
 FIXED_VARIANTS = {"shipped": (None, {}), "by_capacity": (None, dict(split_by_length=False)),
                   "by_length": (None, dict(split_by_length=True)), "weights_first": ("weights_first", {})}
-NUMBERED_VARIANTS = {"chunk": "min_chunk", "programs": "min_programs"}
+NUMBERED_VARIANTS = {"chunk": "min_chunk", "programs": "min_programs", "splits": "max_splits"}
 
 
 def parse_variant(name: str):
@@ -67,8 +68,8 @@ def parse_variant(name: str):
     prefix, _, number = name.rpartition("_")
     if prefix in NUMBERED_VARIANTS and number.isdigit() and int(number) >= 1:
         return None, {NUMBERED_VARIANTS[prefix]: int(number)}
-    raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED_VARIANTS)}, chunk_<C> or programs_<P> "
-                     f"(C, P >= 1)")
+    raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED_VARIANTS)}, chunk_<C>, programs_<P> or "
+                     f"splits_<S> (C, P, S >= 1)")
 
 
 def compiled_round(target, drafter, spec, state, sampling):

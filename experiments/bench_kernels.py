@@ -57,12 +57,12 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 VOCAB, DRAFT_DEPTH = 151_936, 15
 QWEN3_8B_WEIGHT_BYTES = 16.4e9
 # Tilings of the sweep part: m<block_m>k<block_k>w<warps>s<stages>, optionally p<min_programs>,
-# c<min_chunk> and l<0|1> (split_by_length); fields left out come from the local GPU's table entry
-# (sm_90: p512 c128 l0).
+# c<min_chunk>, j<max_splits> and l<0|1> (split_by_length); fields left out come from the local GPU's
+# table entry (sm_90: p512 c128 j8 l1).
 SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128k128w8s2",
                  "m64k64w4s3p528")
 _SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages",
-                 "p": "min_programs", "c": "min_chunk", "l": "split_by_length"}
+                 "p": "min_programs", "c": "min_chunk", "j": "max_splits", "l": "split_by_length"}
 # (temperature, top_k, top_p). T2.5_p0.9: flat rows whose sub-block maxima confine no candidates (the
 # whole-GPU floor passes); T1_k1000: 256 < candidates <= capacity (the register search of a larger
 # tile); T2_p0.99: kept sets beyond the capacity (streamed in the walk).
@@ -351,9 +351,9 @@ def format_sampling_row(row, names):
 
 def sweep_config(text: str) -> TreeAttentionConfig:
     """``"m64k128w4s2c1024"`` -> that tiling; fields left out keep the local table entry's values."""
-    if re.fullmatch(r"(?:[mkwspc]\d+|l[01])+", text) is None:
-        raise SystemExit(f"--sweep-configs: {text!r} is not like m64k64w4s3[p528][c1024][l1]")
-    values = {_SWEEP_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspcl])(\d+)", text)}
+    if re.fullmatch(r"(?:[mkwspcj]\d+|l[01])+", text) is None:
+        raise SystemExit(f"--sweep-configs: {text!r} is not like m64k64w4s3[p528][c1024][j8][l1]")
+    values = {_SWEEP_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspcjl])(\d+)", text)}
     if "split_by_length" in values:
         values["split_by_length"] = bool(values["split_by_length"])
     return dataclasses.replace(configs.tree_attention_config(), **values)
@@ -397,8 +397,9 @@ def main(argv=None):
                              "step's context is shorter than its cache")
     parser.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
                         help="tilings for the sweep part, m<block_m>k<block_k>w<warps>s<stages>"
-                             "[p<min_programs>][c<min_chunk>][l<0|1>: split_by_length], left-out fields from "
-                             "the GPU's table entry; 'xla' adds the XLA path (and each tiling's speedup over it)")
+                             "[p<min_programs>][c<min_chunk>][j<max_splits>][l<0|1>: split_by_length], left-out "
+                             "fields from the GPU's table entry; 'xla' adds the XLA path (and each tiling's speedup "
+                             "over it)")
     parser.add_argument("--sampling-cases", default="64:1,64:8,64:64,256:1,256:16,1024:1,1024:4",
                         help="budget:batch pairs")
     parser.add_argument("--vocab", type=int, default=VOCAB)

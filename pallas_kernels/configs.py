@@ -8,7 +8,12 @@ pipelines (4 stages) and 128-key blocks did not help. Splitting the prefix until
 least 512 programs (about 4 per SM) rather than 264 reached 80-84% of the HBM bandwidth at batch
 16, 16 nodes, 32k-64k (67-70% with 264) and did not lose elsewhere beyond the noise; chunks of
 at least 128 prefix slots rather than 512 (more splits at short contexts) made batch 1 with a 1k
-context 1.1-1.6x faster than the XLA path instead of 0.9-1.7x. The Blackwell
+context 1.1-1.6x faster than the XLA path instead of 0.9-1.7x. Each request's prefix is cut by its
+length (``split_by_length``), into at most 8 splits (``max_splits``): the merge reads every split's
+float32 partial output, and at batch 1 with a 1k context the AR round took 4.82 ms with 8 splits
+against 4.99 with up to 64, the DDTree round of 64 nodes 7.71 against 8.25 (interleaved in one
+process); a lower ``min_programs`` (64) gave those 8 splits at batch 1 too, but a single one at batch
+8, where the kernel alone was up to 1.65x slower at an 8k context. The Blackwell
 entries are chosen by reasoning from the Hopper one and are marked unmeasured:
 
 - ``(10, 0)`` (B200-class, sm_100): about 1.7x the HBM bandwidth of an H200 and the same
@@ -59,6 +64,9 @@ class TreeAttentionConfig:
     ``ceil(length / splits)`` slots rounded up to whole key blocks, rather than the cache's capacity
     into fixed chunks (of which a short prefix fills only the first few); the number of splits, and so
     the merge, is the same either way.
+    ``max_splits``: no more splits than this (``None``: no bound). The merge reads every split's
+    float32 partial output, empty or not, so at a short context many splits cost more in the merge
+    than they save in the kernel.
     ``smem_bytes``: shared memory a program may use; fewer stages are launched where the query
     block and ``num_stages`` K/V blocks would not fit (float32 operands at 128-row blocks).
     ``measured``: whether the entry was tuned on that hardware.
@@ -72,10 +80,13 @@ class TreeAttentionConfig:
     min_chunk: int = 512
     smem_bytes: int = 99 * 1024
     split_by_length: bool = False
+    max_splits: int | None = None
     measured: bool = False
 
     def __post_init__(self):
         check_fields(self, powers_of_two=("block_m", "block_k"))
+        if self.max_splits is not None:
+            check_fields(self, positive=("max_splits",))
 
     def launch_warps(self, block_m: int) -> int:
         """Warps for a block of ``block_m <= self.block_m`` rows: proportional, at least 4."""
@@ -96,7 +107,7 @@ TREE_ATTENTION_CONFIGS: dict[tuple[int, int], TreeAttentionConfig] = {
     (8, 0): TreeAttentionConfig(),
     (9, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
                                 min_programs=512, min_chunk=128, smem_bytes=200 * 1024,
-                                split_by_length=True, measured=True),
+                                split_by_length=True, max_splits=8, measured=True),
     (10, 0): TreeAttentionConfig(block_m=128, block_k=64, num_warps=8, num_stages=3,
                                  min_programs=592, min_chunk=128, smem_bytes=200 * 1024),
     (12, 0): TreeAttentionConfig(block_m=64, block_k=32, num_warps=4, num_stages=2,

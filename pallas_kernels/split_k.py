@@ -20,8 +20,11 @@ def round_up(n: int, multiple: int) -> int:
 
 def split_count(programs: int, num_slots: int, config: TreeAttentionConfig) -> int:
     """Split-K factor: enough programs for ``config.min_programs``, chunks of at least
-    ``config.min_chunk`` slots."""
-    return max(1, min(-(-config.min_programs // programs), num_slots // config.min_chunk))
+    ``config.min_chunk`` slots, at most ``config.max_splits`` splits."""
+    splits = min(-(-config.min_programs // programs), num_slots // config.min_chunk)
+    if config.max_splits is not None:
+        splits = min(splits, config.max_splits)
+    return max(1, splits)
 
 
 def blocks_per_split(blocks, num_splits: int):

@@ -79,12 +79,11 @@ class TreeBuildConfig:
 
 
 def tree_build_config(budget: int, k: int) -> TreeBuildConfig:
-    """The launch `tree_nodes` uses by default, the fastest measured on an H200 (BENCHMARKS.md): up to
-    B = 16, 4 warps, one count tile, the count order; at B = 32, 16 warps, chunks of 64 and the merge;
-    at B = 64, 16 warps, chunks of 32 and the merge. Beyond B = 16 XLA's beam is faster still."""
-    if budget <= 16:
-        return TreeBuildConfig()
-    return TreeBuildConfig(num_warps=16, chunk=64 if budget <= 32 else 32, order="merge")
+    """The launch `tree_nodes` uses by default, the fastest measured on an H200 at K = B (BENCHMARKS.md):
+    chunks of 32 candidates, the merge order and gathers by loads, with 4 warps up to B = 16, 8 at
+    B = 32 and 16 at B = 64. XLA's beam is faster at B = 64."""
+    warps = 4 if budget <= 16 else 8 if budget <= 32 else 16
+    return TreeBuildConfig(num_warps=warps, chunk=32, order="merge", gather="loads")
 
 
 def _pow2(n: int) -> int:

@@ -43,6 +43,7 @@ def test_variant_names_parse_to_their_fields():
     assert parse("shipped") == (None, {}) and parse("by_capacity") == (None, {"split_by_length": False})
     assert parse("weights_first")[0] is bench_attention_merge.merge_weights_first
     assert parse("chunk_1024") == (None, {"min_chunk": 1024}) and parse("programs_128") == (None, {"min_programs": 128})
+    assert parse("splits_8") == (None, {"max_splits": 8})
 
 
 @pytest.mark.parametrize("flag,value",

@@ -15,11 +15,13 @@ from pallas_kernels.configs import TreeAttentionConfig
 from pallas_kernels.lowering import verified_triton_modules
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_attention import _chunk, _plan, _tree_attention_pallas, tree_attention
+from pallas_kernels.split_k import split_count
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 
 # Small tiles so that CPU-sized problems exercise several splits, row blocks and tree blocks.
 SMALL = TreeAttentionConfig(block_m=16, block_k=16, min_programs=64, min_chunk=16)
 BY_LENGTH = dataclasses.replace(SMALL, split_by_length=True)
+CAPPED = dataclasses.replace(BY_LENGTH, max_splits=2)
 
 
 def random_tree_mask(rng, num_nodes, num_real):
@@ -70,8 +72,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("config", [SMALL, BY_LENGTH, configs.TREE_ATTENTION_CONFIGS[(9, 0)]],
-                         ids=["small", "small_by_length", "sm90"])
+@pytest.mark.parametrize("config", [SMALL, BY_LENGTH, CAPPED, configs.TREE_ATTENTION_CONFIGS[(9, 0)]],
+                         ids=["small", "small_by_length", "small_two_splits", "sm90"])
 @pytest.mark.parametrize("seed", range(len(CASES)),
                          ids=[f"B{c[0]}N{c[1]}H{c[2]}K{c[3]}D{c[4]}S{c[5]}" for c in CASES])
 def test_interpret_matches_reference(seed, config):
@@ -221,12 +223,34 @@ def test_plan_covers_the_cache(batch, rows, slots):
                                                    (1000, 64, 16), (1024, 64, 16), (4000, 192, 21),
                                                    (5122, 192, 27)])
 def test_chunks_by_length(length, chunk, filled):
-    """A 5,122-slot cache at batch 1 is cut into 27 splits of 192 slots; cut by length, a 1k prefix
-    fills 16 splits of one 64-slot key block (rather than 6 of 192), and a full cache all 27."""
-    plan = _plan(1, 8, 4, 16, 5122, configs.TREE_ATTENTION_CONFIGS[(9, 0)])
+    """Without a bound on the splits, a 5,122-slot cache at batch 1 is cut into 27 splits of 192 slots;
+    cut by length, a 1k prefix fills 16 splits of one 64-slot key block (rather than 6 of 192), and a
+    full cache all 27."""
+    unbounded = dataclasses.replace(configs.TREE_ATTENTION_CONFIGS[(9, 0)], max_splits=None)
+    plan = _plan(1, 8, 4, 16, 5122, unbounded)
     assert (plan.num_splits, plan.chunk) == (27, 192)
     got = int(_chunk(jnp.int32(length), plan, 64))
     assert (got, -(-max(length, 1) // got)) == (chunk, filled)
+
+
+@pytest.mark.parametrize("batch, rows, length, splits, chunk",
+                         [(1, 4, 1000, 8, 128), (1, 4, 5122, 8, 704), (1, 4, 64, 8, 64), (8, 4, 1000, 8, 128),
+                          (1, 260, 1000, 8, 128), (32, 260, 1000, 1, 1024)])
+def test_sm90_splits_are_bounded(batch, rows, length, splits, chunk):
+    """The sm_90 entry: at most 8 splits of a 5,122-slot cache, so a 1k prefix fills 8 splits of two key
+    blocks at batch 1 as at batch 8, and a batch with enough programs is not split."""
+    plan = _plan(batch, 8, rows, 16, 5122, configs.TREE_ATTENTION_CONFIGS[(9, 0)])
+    assert plan.num_splits == splits
+    assert int(_chunk(jnp.int32(length), plan, 64)) == chunk
+
+
+def test_split_count_bounds():
+    config = TreeAttentionConfig(min_programs=512, min_chunk=128)
+    assert split_count(8, 5122, config) == 40 and split_count(600, 5122, config) == 1
+    assert split_count(8, 5122, dataclasses.replace(config, max_splits=8)) == 8
+    assert split_count(8, 100, dataclasses.replace(config, max_splits=8)) == 1
+    with pytest.raises(ValueError, match="max_splits"):
+        TreeAttentionConfig(max_splits=0)
 
 
 def test_config_lookup():
@@ -261,7 +285,7 @@ def test_benchmark_sweep_configs():
     assert sweep_config("m64k128w4s2c1024") == TreeAttentionConfig(
         block_m=64, block_k=128, num_warps=4, num_stages=2, min_programs=base.min_programs,
         min_chunk=1024, smem_bytes=base.smem_bytes, measured=base.measured)
-    assert sweep_config("p528").min_programs == 528
+    assert sweep_config("p528").min_programs == 528 and sweep_config("j4").max_splits == 4
     assert sweep_config("m128l1").split_by_length is True and sweep_config("l0").split_by_length is False
     assert all(isinstance(sweep_config(name), TreeAttentionConfig) for name in SWEEP_CONFIGS)
     for bad in ("m64x3", "fast", "", "l2"):

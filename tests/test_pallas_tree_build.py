@@ -1,6 +1,7 @@
 """Tree-build kernel (beam + global order) vs its jnp reference and the library's XLA path (Pallas
 interpreter on CPU), its Triton lowering, and its bad input."""
 
+import dataclasses
 import functools
 
 import jax
@@ -54,6 +55,7 @@ def assert_equal_nodes(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
+COUNT = TreeBuildConfig()
 MERGE = TreeBuildConfig(chunk=8, order="merge")
 LOADS = TreeBuildConfig(gather="loads")
 # (batch, depth, vocab, budget, k, launch; None: `tree_build_config`'s): compiled once each. Budgets 2
@@ -68,6 +70,7 @@ SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8
           (1, 16, 40, 64, 4, TreeBuildConfig(chunk=64, order="merge")), (2, 15, 300, 16, 16, MERGE),
           (2, 3, 3, 16, 3, MERGE), (1, 1, 50, 4, 4, MERGE), (1, 2, 5, 2, 2, MERGE),
           (2, 9, 64, 32, 32, TreeBuildConfig(chunk=32)), (2, 9, 64, 32, 32, TreeBuildConfig(order="merge")),
+          (2, 15, 300, 16, 16, COUNT), (1, 15, 300, 16, 4, COUNT), (2, 3, 3, 16, 3, COUNT),
           (2, 15, 300, 16, 16, LOADS), (2, 3, 3, 16, 3, LOADS), (1, 2, 5, 2, 2, LOADS),
           (2, 3, 3, 16, 3, TreeBuildConfig(order="merge", gather="loads")),
           (2, 15, 300, 64, 64, TreeBuildConfig(num_warps=16, chunk=32, order="merge", gather="loads"))]
@@ -95,13 +98,13 @@ def test_reference_equals_library_beyond_the_kernel(budget, k):
     (16, 16, 15, None), (16, 4, 15, None), (32, 32, 15, None), (32, 32, 15, TreeBuildConfig(num_warps=16)),
     (64, 64, 15, None), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=64, order="merge")),
     (16, 16, 15, TreeBuildConfig(chunk=16, order="merge")), (2, 1, 1, TreeBuildConfig(num_warps=1)),
-    (16, 16, 15, LOADS), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=32, order="merge", gather="loads"))])
+    (16, 16, 15, LOADS), (16, 16, 15, COUNT), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=32, order="merge"))])
 def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
     (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, config=config), *shapes)
     assert "tt.reduce" in module
     # loads: the threads meet before and after the beam's stores, which the candidates then load
-    assert ("gpu.barrier" in module) == (config is not None and config.gather == "loads")
+    assert ("gpu.barrier" in module) == ((config or tree_build_config(budget, k)).gather == "loads")
 
 
 def test_kernel_supports_power_of_two_budgets_up_to_64():
@@ -112,13 +115,14 @@ def test_kernel_supports_power_of_two_budgets_up_to_64():
 
 
 def test_launches_and_the_shapes_they_take():
-    """The measured launches: up to B = 16 one count tile and the count order; at 32 and 64 16 warps,
-    chunks and the merge (one tile of B = 64's 280 candidates would be 512 wide). Each default takes
-    every width its budget allows."""
+    """The measured launches: chunks of 32, the merge and loads, 4 warps up to B = 16, 8 at 32 and 16 at
+    64 (one tile of B = 64's 280 candidates would be 512 wide). Each default takes every width its budget
+    allows."""
     assert candidate_chunks(16, 16, 0) == (64, 1) and candidate_chunks(64, 64, 32) == (32, 9)
-    assert tree_build_config(16, 16) == tree_build_config(2, 1) == TreeBuildConfig()
-    assert tree_build_config(32, 32) == TreeBuildConfig(num_warps=16, chunk=64, order="merge")
-    assert tree_build_config(64, 64) == TreeBuildConfig(num_warps=16, chunk=32, order="merge")
+    loads = TreeBuildConfig(chunk=32, order="merge", gather="loads")
+    assert tree_build_config(16, 16) == tree_build_config(2, 1) == loads
+    assert tree_build_config(32, 32) == dataclasses.replace(loads, num_warps=8)
+    assert tree_build_config(64, 64) == dataclasses.replace(loads, num_warps=16)
     assert all(tree_build_config(b, k).supports(b, k) for b in (2, 4, 8, 16, 32, 64) for k in range(1, b + 1))
     assert not TreeBuildConfig().supports(64, 64)  # a 512-wide tile
     assert not TreeBuildConfig(chunk=32).supports(64, 64)  # the count order past 32
