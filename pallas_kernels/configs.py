@@ -11,7 +11,7 @@ at least 128 prefix slots rather than 512 (more splits at short contexts) made b
 context 1.1-1.6x faster than the XLA path instead of 0.9-1.7x. Each request's prefix is cut by its
 length (``split_by_length``), into at most 8 splits (``max_splits``): the merge reads every split's
 float32 partial output, and at batch 1 with a 1k context the AR round took 4.82 ms with 8 splits
-against 4.99 with up to 64, the DDTree round of 64 nodes 7.71 against 8.25 (interleaved in one
+against 4.99 with 27, the DDTree round of 64 nodes 7.71 against 8.25 (interleaved in one
 process); a lower ``min_programs`` (64) gave those 8 splits at batch 1 too, but a single one at batch
 8, where the kernel alone was up to 1.65x slower at an 8k context. The Blackwell
 entries are chosen by reasoning from the Hopper one and are marked unmeasured:
