@@ -1,9 +1,10 @@
 """A/B of the attention's split-K merge and split policy inside the engine's rounds, in one process.
 
 At batch 1 the tree-attention kernel cuts a request's KV prefix into splits so that one request fills
-the GPU (27 at a 5k-slot cache on an H200 without a bound on their number), and XLA merges their partial outputs in two fusions per layer (the running maxima
-and sums, then the weighted sum of the outputs fused with the pad of the output projection's rows);
-the partial outputs are float32 ``[splits, rows, head_dim]``, 7.5 MB a layer for a 16-node tree.
+the GPU (27 at a 5k-slot cache on an H200 without a bound on their number), and XLA merges their
+partial outputs in two fusions per layer (the running maxima and sums, then the weighted sum of the
+outputs fused with the pad of the output projection's rows); the partial outputs are float32
+``[splits, rows, head_dim]``, 7.5 MB a layer for a 16-node tree and 27 splits.
 This script compiles the AR round (the decode step) and a DDTree round per ``--budgets`` at Qwen3-8B
 shapes, random weights, once per variant, and times them back to back, the variants interleaved.
 ``--variants`` names them:
