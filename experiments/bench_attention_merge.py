@@ -95,8 +95,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--budgets", default="16", help="comma-separated DDTree budgets, each a round beside AR's")
     ap.add_argument("--topk-cap", type=int, default=4)
-    ap.add_argument("--variants", default="shipped,by_capacity,weights_first,programs_128,programs_64",
-                    help="comma-separated, of shipped, by_capacity, by_length, weights_first, chunk_<C>, programs_<P>")
+    ap.add_argument("--variants", default="shipped,splits_4,splits_16",
+                    help="comma-separated, of shipped, by_capacity, by_length, weights_first, chunk_<C>, programs_<P>, "
+                         "splits_<S>")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
     args = ap.parse_args(argv)
