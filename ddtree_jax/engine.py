@@ -43,6 +43,9 @@ from ddtree_jax.tree import DraftTree, tree_attention_mask, tree_positions, with
 from ddtree_jax.verify import expected_acceptance
 
 METHODS = ("ar", "chain", "ddtree")
+# The named scopes of a round's steps, in order (`_round`): a device profile sums its ops by them
+# (`ddtree_jax.experiments.profiling.scope_parts`).
+ROUND_PARTS = ("draft", "build", "verify", "sample", "commit", "stats")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,18 +217,22 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
     lengths = state.target_cache.lengths
     c = state.ctx_feats.shape[1]
     ctx_positions = (lengths - state.ctx_count)[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-    draft_logits, drafter_cache = drafter_forward(
-        drafter, target, state.drafter_cache, state.ctx_feats, ctx_positions, state.ctx_count,
-        state.root, lengths, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
-    draft_logits = sharding.gather_vocab(draft_logits, mesh)
-    tree = kernels.tree_build_fn(spec.build_impl, mesh)(draft_logits, state.root, draft_temperature,
-                                                        budget=spec.tree_budget, topk_cap=spec.topk_cap)
-    if drafter.params.draft_ids is not None:
-        tree = with_token_ids(tree, drafter.params.draft_ids)
-    if spec.budget_policy == "adaptive":
-        tree = policies.keep_prefix(tree, policies.adaptive_keep(tree.logw, tree.num_nodes, jnp.asarray(spec.cost_ms)))
-    elif spec.budget_policy == "batch":
-        tree = policies.keep_prefix(tree, policies.batch_keep(tree.logw, tree.num_nodes, ~state.done, spec.budget))
+    with jax.named_scope("draft"):
+        draft_logits, drafter_cache = drafter_forward(
+            drafter, target, state.drafter_cache, state.ctx_feats, ctx_positions, state.ctx_count,
+            state.root, lengths, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
+        draft_logits = sharding.gather_vocab(draft_logits, mesh)
+    with jax.named_scope("build"):
+        tree = kernels.tree_build_fn(spec.build_impl, mesh)(draft_logits, state.root, draft_temperature,
+                                                            budget=spec.tree_budget, topk_cap=spec.topk_cap)
+        if drafter.params.draft_ids is not None:
+            tree = with_token_ids(tree, drafter.params.draft_ids)
+        if spec.budget_policy == "adaptive":
+            tree = policies.keep_prefix(tree, policies.adaptive_keep(tree.logw, tree.num_nodes,
+                                                                     jnp.asarray(spec.cost_ms)))
+        elif spec.budget_policy == "batch":
+            tree = policies.keep_prefix(tree, policies.batch_keep(tree.logw, tree.num_nodes, ~state.done,
+                                                                  spec.budget))
     return tree, drafter_cache
 
 
@@ -269,32 +276,37 @@ def _round(target: Target, drafter: Drafter | None, state: DecodeState, sampling
            with_expected: bool = True, mesh: Mesh | None = None):
     """One round for every request (see the module docstring). Returns the new state and
     ``(accepted [B], emitted [B], tree_size [B], expected [B])`` (see `RoundStats`). With a ``mesh``,
-    the state keeps the layout of `sharding.state_shardings` (see `ddtree_jax.sharding`)."""
+    the state keeps the layout of `sharding.state_shardings` (see `ddtree_jax.sharding`). Its steps run
+    in the named scopes of `ROUND_PARTS`."""
     live = ~state.done
     if spec.method == "ar":
         tree, drafter_cache = _trivial_tree(state.root), state.drafter_cache
     else:
         tree, drafter_cache = _draft_tree(target, drafter, state, spec, draft_temperature, mesh)
-    logits, taps, target_cache = _verify_forward(target, tree, state.target_cache, spec, mesh)
-    logits = sharding.gather_vocab(logits, mesh)
-    keys = request_keys(key, request_ids, state.round)
-    coins, final_coins = coins_from_keys(keys, spec.num_nodes)
-    res = kernels.sampler_fn(spec.sampler_impl, mesh)(tree, logits, coins, final_coins, sampling.temperature,
-                                            sampling.top_k, sampling.top_p)
-    num_keep = jnp.where(live, res.num_accepted + 1, 0)
-    target_cache = commit(target_cache, res.accept_index, num_keep)
-    if spec.method != "ar":
-        rows = jnp.arange(taps.shape[0])[:, None]
-        ctx_feats = taps[rows, jnp.maximum(res.accept_index, 0)]
-    else:
-        ctx_feats = state.ctx_feats
-    tokens, num_generated, done = _append_tokens(state, res.emitted, res.num_accepted + 1, stop_tokens,
-                                                 max_new_tokens)
-    if with_expected:
-        probs = batch_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        expected = expected_acceptance(tree, probs)
-    else:
-        expected = jnp.zeros(live.shape, jnp.float32)
+    with jax.named_scope("verify"):
+        logits, taps, target_cache = _verify_forward(target, tree, state.target_cache, spec, mesh)
+        logits = sharding.gather_vocab(logits, mesh)
+    with jax.named_scope("sample"):
+        keys = request_keys(key, request_ids, state.round)
+        coins, final_coins = coins_from_keys(keys, spec.num_nodes)
+        res = kernels.sampler_fn(spec.sampler_impl, mesh)(tree, logits, coins, final_coins, sampling.temperature,
+                                                          sampling.top_k, sampling.top_p)
+    with jax.named_scope("commit"):
+        num_keep = jnp.where(live, res.num_accepted + 1, 0)
+        target_cache = commit(target_cache, res.accept_index, num_keep)
+        if spec.method != "ar":
+            rows = jnp.arange(taps.shape[0])[:, None]
+            ctx_feats = taps[rows, jnp.maximum(res.accept_index, 0)]
+        else:
+            ctx_feats = state.ctx_feats
+        tokens, num_generated, done = _append_tokens(state, res.emitted, res.num_accepted + 1, stop_tokens,
+                                                     max_new_tokens)
+    with jax.named_scope("stats"):
+        if with_expected:
+            probs = batch_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            expected = expected_acceptance(tree, probs)
+        else:
+            expected = jnp.zeros(live.shape, jnp.float32)
     new_state = DecodeState(target_cache, drafter_cache, jnp.where(live, res.bonus, state.root), ctx_feats,
                             num_keep, tokens, num_generated, done, state.round + 1)
     stats = (jnp.where(live, res.num_accepted, -1), num_generated - state.num_generated, tree.num_nodes, expected)

@@ -1,5 +1,7 @@
 """Device-op profiles (ddtree_jax.experiments.profiling): kinds, per-line sums, and a real trace on the CPU."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,19 +18,96 @@ def test_op_kinds(name, kind):
     assert profiling.op_kind(name) == kind
 
 
+EVENTS = [("Stream #1", "gemm_a", 2_000_000, ""), ("Stream #1", "gemm_a", 2_000_000, ""),
+          ("Stream #1", "loop_fusion", 1_000_000, "fusion.7"), ("Stream #1", "gemm_a", 3_000_000, ""),
+          ("XLA Ops", "dot.1", 6_000_000, "")]
+
+
 def test_summarize_sums_per_line_and_call():
-    events = [("Stream #1", "gemm_a", 2_000_000), ("Stream #1", "gemm_a", 2_000_000),
-              ("Stream #1", "loop_fusion", 1_000_000), ("Stream #1", "gemm_a", 3_000_000),
-              ("XLA Ops", "dot.1", 6_000_000)]
-    summary = profiling.summarize(events, calls=2, top=1)
+    summary = profiling.summarize(EVENTS, calls=2, top=1)
     stream = summary["Stream #1"]
     assert stream["ms_per_call"] == pytest.approx(4.0)
     assert stream["kind_share"] == pytest.approx({"matmul": 3.5 / 4, "other": 0.5 / 4})
     assert stream["top_ops"] == [dict(name="gemm_a", kind="matmul", ms_per_call=pytest.approx(3.5),
                                       count_per_call=1.5)]
-    assert summary["XLA Ops"]["ms_per_call"] == pytest.approx(3.0)
+    assert summary["XLA Ops"]["ms_per_call"] == pytest.approx(3.0) and "parts" not in stream
     text = profiling.format_summary(summary)
     assert "[Stream #1] 4.00 ms per call: matmul 88%, other 12%" in text and "gemm_a" in text
+    assert "by part" not in text
+
+
+def test_summarize_by_part_looks_up_the_hlo_op_then_the_name():
+    # "loop_fusion" is no key: its event counts by its hlo_op; "dot.1" has no part at all
+    parts = {"gemm_a": "draft", "fusion.7": "verify", "loop_fusion": "draft"}
+    summary = profiling.summarize(EVENTS, calls=2, parts=parts)
+    assert summary["Stream #1"]["parts"] == {
+        "draft": dict(ms_per_call=pytest.approx(3.5), kind_share={"matmul": pytest.approx(1.0)}),
+        "verify": dict(ms_per_call=pytest.approx(0.5), kind_share={"other": pytest.approx(1.0)})}
+    assert list(summary["XLA Ops"]["parts"]) == [profiling.UNATTRIBUTED]
+    assert "by part: draft 3.500, verify 0.500 ms" in profiling.format_summary(summary)
+
+
+@pytest.mark.parametrize("stats, op", [
+    ([("hlo_op", "fusion.3"), ("hlo_module", "jit_f")], "fusion.3"),
+    ([("correlation_id", 7), ("kernel_annotation", "XlaModule:#hlo_module=jit_f#::Thunk:#name=draft/dot,"
+                                                   "hlo_op=gemm_fusion_dot.21,unique_hlo_op_id=5#")],
+     "gemm_fusion_dot.21"),
+    ([("kernel_details", "regs:32 grid:1,1,1")], ""), ([], ""),
+])
+def test_event_hlo_op_from_a_stat_or_an_annotation(stats, op):
+    assert profiling.event_hlo_op(stats) == op
+
+
+HLO = """HloModule jit_round, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fused_computation.2 (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  %tanh.0 = f32[4]{0} tanh(%param_0), metadata={op_name="jit(round)/while/body/draft/layer_0/tanh"}
+  ROOT %sin.0 = f32[4]{0} sine(%tanh.0), metadata={op_name="jit(round)/while/body/draft/layer_0/sin"}
+}
+
+%body (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %loop_fusion.2 = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_computation.2
+  %cosine.1 = f32[4]{0} cosine(%loop_fusion.2), metadata={op_name="jit(round)/while/body/draft/cos"}
+  ROOT %custom-call.9 = f32[4]{0} custom-call(%cosine.1), metadata={op_name="jit(round)/drafter/verify/pallas_call"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0), metadata={op_name="x"}
+  ROOT %while.1 = f32[4]{0} while(%x), condition=%cond, body=%body
+}
+"""
+
+
+def test_scope_parts_reads_op_names_and_fused_computations():
+    parts = profiling.scope_parts(HLO, ("draft", "verify"))
+    # a whole path component names the part ("drafter" is not "draft"); a fusion without metadata takes
+    # its fused computation's; kernels are also found by the name XLA gives them
+    assert parts["custom-call.9"] == parts["custom_call_9"] == "verify"
+    assert parts["tanh.0"] == parts["loop_fusion.2"] == parts["loop_fusion_2"] == "draft"
+    assert parts["while.1"] == "draft"  # two of its body's three ops are draft ones
+    assert "x" not in parts and "param_0" not in parts
+    assert profiling.kernel_name("gemm_fusion_dot.21") == "gemm_fusion_dot_21"
+
+
+def test_a_trace_sums_by_named_scope():
+    """On the CPU the runtime's thunk events (host plane) carry their HLO ops: a real trace summed by part."""
+    @jax.jit
+    def f(x):
+        with jax.named_scope("first"):
+            y = jnp.tanh(x @ x)
+        with jax.named_scope("second"):
+            return jnp.sin(y @ y @ y)
+
+    x = jnp.ones((128, 128))
+    parts = profiling.scope_parts(f.lower(x).compile().as_text(), ("first", "second"))
+    assert set(parts.values()) == {"first", "second"}
+    summary = profiling.device_op_times(lambda: f(x), calls=2, parts=parts, planes="/host:CPU")
+    timed = collections.Counter()
+    for line in summary.values():
+        timed.update({part: p["ms_per_call"] for part, p in line["parts"].items()})
+    assert timed["first"] > 0 and timed["second"] > 0
 
 
 @pytest.mark.parametrize("calls", [0, 1.5])

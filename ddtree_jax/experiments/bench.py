@@ -10,7 +10,8 @@ round without one (both on the XLA attention path, which XLA partitions itself).
 also times each round back to back with the XLA tree build, next to the one ``--build-impl`` chose.
 ``--profile``
 traces the decode step and the first budget's round and sums their device ops by kind (matmuls,
-the Pallas kernels, data movement, the rest; `ddtree_jax.experiments.profiling`).
+the Pallas kernels, data movement, the rest; `ddtree_jax.experiments.profiling`) and by the round's
+step (drafter, tree build, verify forward, sampling, commit, statistics: `engine.ROUND_PARTS`).
 Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree (each of ``--embedded-budgets``) on
 the embedded pair, with the speedup over AR measured in the same process.
 
@@ -388,7 +389,10 @@ def bench_shapes(args, emit) -> None:
                 if args.profile and budget == args.budgets[0]:
                     for name, runner in (("decode", decode), ("round", run)):
                         try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
-                            row[f"profile_{name}"] = profiling.device_op_times(runner, calls=3, top=args.profile_ops)
+                            hlo = runner.hlo()
+                            row[f"profile_{name}"] = profiling.device_op_times(
+                                runner, calls=3, top=args.profile_ops,
+                                parts=profiling.scope_parts(hlo, engine.ROUND_PARTS))
                         except Exception as e:  # noqa: BLE001
                             row[f"profile_{name}_error"] = repr(e)
                             print(f"  profile of the {name} failed: {e!r}", flush=True)
@@ -397,7 +401,7 @@ def bench_shapes(args, emit) -> None:
                               + profiling.format_summary(row[f"profile_{name}"]), flush=True)
                         if args.hlo:
                             path = args.out.with_name(f"{args.out.stem}_{name}_b{batch}_c{context}.hlo.txt")
-                            path.write_text(runner.hlo())
+                            path.write_text(hlo)
                             print(f"  wrote {path}", flush=True)
                 if args.build_check and spec.build_impl != "xla":
                     xla_build = dataclasses.replace(spec, build_impl="xla")
@@ -602,7 +606,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--build-check", action="store_true",
                    help="also time each round back to back with the XLA tree build (--build-impl xla), for comparison")
     p.add_argument("--profile", action="store_true",
-                   help="also trace the decode step and the first budget's round and sum their device ops")
+                   help="also trace the decode step and the first budget's round and sum their device ops, by "
+                        "kind and by the round's step")
     p.add_argument("--hlo", action="store_true",
                    help="with --profile, also write each profiled program's optimized HLO next to the JSON")
     p.add_argument("--profile-ops", type=int, default=15, help="ops kept per profile in the JSON, the longest first")

@@ -6,6 +6,14 @@ an op or a kernel with its duration. A device plane has several lines that may s
 work twice (XLA ops, the CUDA streams that ran their kernels, whole modules), so each line is
 summarised on its own; the kinds (``op_kind``) group kernel names into matmuls, the Pallas
 kernels, data movement and the rest. On the CPU there is no device plane and the result is empty.
+
+A profile can also be summed by *part*: the named scope (``jax.named_scope``) each op was traced in,
+such as the steps of a decoding round (`ddtree_jax.engine.ROUND_PARTS`). `scope_parts` reads the
+compiled program's HLO text (each instruction's ``op_name`` metadata holds its scopes) into a table
+from instruction names, and from the kernel names XLA gives its fusions, to parts; each traced event
+is looked up by the HLO instruction it ran (`event_hlo_op`: the ``hlo_op`` the runtime records with
+it), else by its own name. Ops fused across a scope boundary count for the scope of the op their
+metadata names.
 """
 
 from __future__ import annotations
@@ -13,7 +21,9 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import re
 import tempfile
+from collections.abc import Iterable, Mapping
 
 import jax
 
@@ -39,18 +49,34 @@ def _check_calls(calls) -> None:
         raise ValueError(f"calls must be an int >= 1, got {calls!r}")
 
 
-def summarize(events, calls: int, top: int = 15) -> dict:
-    """Per line: ms per call, the share of each kind and the ``top`` ops by time.
+UNATTRIBUTED = "unattributed"
+
+
+def _kind_shares(kinds: collections.Counter, total: float) -> dict:
+    return {kind: ms / total for kind, ms in kinds.most_common()} if total else {}
+
+
+def summarize(events, calls: int, top: int = 15, parts: Mapping[str, str] | None = None) -> dict:
+    """Per line: ms per call, the share of each kind and the ``top`` ops by time; with ``parts``, also
+    ``parts``: ``{part: {ms_per_call, kind_share}}``, the longest first.
 
     Args:
-      events: ``(line, name, duration_ns)`` triples of ``calls`` traced calls.
+      events: ``(line, name, duration_ns, hlo_op)`` of ``calls`` traced calls (``hlo_op`` the HLO
+        instruction the event ran, ``""`` if unknown).
+      parts: a `scope_parts` table; an event whose ``hlo_op`` and name it lacks counts as
+        `UNATTRIBUTED`.
     """
     _check_calls(calls)
     per_line = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
-    for line, name, duration_ns in events:
+    per_part = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
+    for line, name, duration_ns, hlo_op in events:
         entry = per_line[line][name]
-        entry[0] += duration_ns / 1e6 / calls
+        ms = duration_ns / 1e6 / calls
+        entry[0] += ms
         entry[1] += 1
+        if parts is not None:
+            part = parts.get(hlo_op) or parts.get(name) or UNATTRIBUTED
+            per_part[line][part][op_kind(name)] += ms
     summary = {}
     for line, ops in per_line.items():
         total = sum(ms for ms, _ in ops.values())
@@ -60,26 +86,49 @@ def summarize(events, calls: int, top: int = 15) -> dict:
         ranked = sorted(ops.items(), key=lambda item: -item[1][0])[:top]
         summary[line] = dict(
             ms_per_call=total,
-            kind_share={kind: ms / total for kind, ms in kinds.most_common()} if total else {},
+            kind_share=_kind_shares(kinds, total),
             top_ops=[dict(name=name, kind=op_kind(name), ms_per_call=ms, count_per_call=count / calls)
                      for name, (ms, count) in ranked])
+        if parts is not None:
+            part_ms = {part: sum(k.values()) for part, k in per_part[line].items()}
+            summary[line]["parts"] = {part: dict(ms_per_call=ms, kind_share=_kind_shares(per_part[line][part], ms))
+                                      for part, ms in sorted(part_ms.items(), key=lambda item: -item[1])}
     return summary
 
 
-def device_events(profile_data):
-    """``(line, name, duration_ns)`` of every event on the device planes of a trace."""
+_HLO_OP_FIELD = re.compile(r"hlo_op=([^,#\s]+)")
+
+
+def event_hlo_op(stats: Iterable[tuple[str, object]]) -> str:
+    """The HLO instruction a traced event ran, from its ``(name, value)`` stats: an ``hlo_op`` stat, or
+    the ``hlo_op=`` field of an annotation such as ``Thunk:#name=...,hlo_op=fusion.3,...#``; ``""``
+    if none names one."""
+    annotated = ""
+    for key, value in stats:
+        if key == "hlo_op":
+            return str(value)
+        if not annotated and isinstance(value, str) and (match := _HLO_OP_FIELD.search(value)):
+            annotated = match.group(1)
+    return annotated
+
+
+def device_events(profile_data, planes: str = "/device:"):
+    """``(line, name, duration_ns, hlo_op)`` of every event on the planes of a trace whose names start
+    with ``planes`` (the devices'; ``hlo_op`` by `event_hlo_op`)."""
     for plane in profile_data.planes:
-        if plane.name.startswith("/device:"):
+        if plane.name.startswith(planes):
             for line in plane.lines:
                 for event in line.events:
-                    yield line.name, event.name, event.duration_ns
+                    yield line.name, event.name, event.duration_ns, event_hlo_op(event.stats)
 
 
-def device_op_times(fn, calls: int = 3, top: int = 15) -> dict:
-    """`summarize` of ``calls`` calls of ``fn`` (a warm-up call runs first, untraced).
+def device_op_times(fn, calls: int = 3, top: int = 15, parts: Mapping[str, str] | None = None,
+                    planes: str = "/device:") -> dict:
+    """`summarize` of ``calls`` calls of ``fn`` (a warm-up call runs first, untraced), by part too
+    with a `scope_parts` table ``parts``.
 
-    ``fn()`` must return arrays to block on. Returns ``{}`` where the backend records no device
-    plane (the CPU).
+    ``fn()`` must return arrays to block on. ``planes``: the trace planes read (`device_events`).
+    Returns ``{}`` where the backend records no such plane (the device planes on a CPU).
     """
     _check_calls(calls)
     jax.block_until_ready(fn())
@@ -88,16 +137,70 @@ def device_op_times(fn, calls: int = 3, top: int = 15) -> dict:
             for _ in range(calls):
                 jax.block_until_ready(fn())
         paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        events = [e for path in paths for e in device_events(jax.profiler.ProfileData.from_file(path))]
-    return summarize(events, calls, top)
+        events = [e for path in paths for e in device_events(jax.profiler.ProfileData.from_file(path), planes)]
+    return summarize(events, calls, top, parts)
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)="
+                     r"(\{[^}]*\}|%?[\w.\-]+)")
+_NAME = re.compile(r"%?([\w.\-]+)")
+
+
+def kernel_name(instruction: str) -> str:
+    """The name XLA gives the kernel of a fused instruction: ``gemm_fusion_dot.21`` runs as
+    ``gemm_fusion_dot_21``."""
+    return re.sub(r"[.\-]", "_", instruction)
+
+
+def scope_parts(hlo_text: str, parts: Iterable[str]) -> dict[str, str]:
+    """``{instruction or kernel name: part}`` for the instructions of a compiled program (its HLO text,
+    ``compiled.as_text()``) traced in one of the named scopes ``parts``: the first component of the
+    instruction's ``op_name`` (``jit(f)/while/body/draft/layer_0/dot_general`` -> ``draft``) that is a
+    part; an instruction without one takes the part most of the instructions it calls have (a fusion's
+    fused computation)."""
+    parts = frozenset(parts)
+    own, calls, members = {}, {}, collections.defaultdict(list)
+    computation = None
+    for line in hlo_text.splitlines():
+        if instruction := _INSTRUCTION.match(line):
+            name = instruction.group(1)
+            op_name = _OP_NAME.search(line)
+            scope = next((c for c in op_name.group(1).split("/") if c in parts), None) if op_name else None
+            own[name] = scope
+            calls[name] = [n for group in _CALLED.findall(line) for n in _NAME.findall(group)]
+            if computation is not None:
+                members[computation].append(name)
+        elif header := _COMPUTATION.match(line):
+            computation = header.group(1)
+
+    def part_of(name, seen):
+        if own.get(name):
+            return own[name]
+        votes = collections.Counter(p for c in calls.get(name, ()) if c not in seen
+                                    for m in members.get(c, ()) if (p := part_of(m, seen | {c})))
+        return votes.most_common(1)[0][0] if votes else None
+
+    table = {}
+    for name in own:
+        if part := part_of(name, frozenset()):
+            table[name] = part
+            table.setdefault(kernel_name(name), part)
+    return table
 
 
 def format_summary(summary: dict, ops: int = 5) -> str:
-    """A few printable lines: per line, ms per call, kind shares and the largest ops."""
+    """A few printable lines: per line, ms per call, kind shares, the parts' ms (when summed by part)
+    and the largest ops."""
     lines = []
     for line, s in summary.items():
         shares = ", ".join(f"{kind} {100 * share:.0f}%" for kind, share in s["kind_share"].items())
         lines.append(f"    [{line}] {s['ms_per_call']:.2f} ms per call: {shares}")
+        if "parts" in s:
+            by_part = ", ".join(f"{part} {p['ms_per_call']:.3f}" for part, p in s["parts"].items())
+            lines.append(f"      by part: {by_part} ms")
         lines += [f"      {op['ms_per_call']:7.3f} ms  x{op['count_per_call']:<5g} {op['kind']:<22} {op['name'][:70]}"
                   for op in s["top_ops"][:ops]]
     return "\n".join(lines) if lines else "    (no device trace on this backend)"
