@@ -154,9 +154,11 @@ def cmd_generate(args) -> int:
     import jax
 
     from ddtree_jax import costs
-    from ddtree_jax.engine import generate
+    from ddtree_jax.engine import generate, max_budget
 
     checks.flags(args, GENERATE_RULES)
+    limit = max_budget(args.budget_policy)
+    checks.flags(args, [("budget", lambda v: v <= limit, f"<= {limit} with --budget-policy {args.budget_policy}")])
     if args.budget_policy != "fixed" and args.method != "ddtree":
         raise ValueError(f"--budget-policy {args.budget_policy} needs --method ddtree, got --method {args.method}")
     if args.cost_table is not None and args.budget_policy != "adaptive":
@@ -192,15 +194,18 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
         shown[0] = len(text)
 
-    if not args.json:
-        print(f"ddtree: compiling the prefill and the {args.method} round for {jax.default_backend()} before the "
-              "first token (about half a minute on a small CPU)", file=sys.stderr, flush=True)
+    def compiling():
+        if not args.json:
+            print(f"ddtree: compiling the prefill and the {args.method} round for {jax.default_backend()} before "
+                  "the first token (about half a minute on a small CPU)", file=sys.stderr, flush=True)
+
     res = generate(target, drafter, [prompt], method=args.method, budget=args.budget,
                    topk_cap=args.topk_cap or None, draft_temperature=args.draft_temperature,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    max_new_tokens=args.max_new_tokens, key=jax.random.key(args.seed), stop_tokens=stop,
                    on_round=stream, mesh=mesh, attention_impl=args.attention_impl, sampler_impl=args.sampler_impl,
-                   build_impl=args.build_impl, budget_policy=args.budget_policy, cost_table=cost_table)
+                   build_impl=args.build_impl, budget_policy=args.budget_policy, cost_table=cost_table,
+                   on_compile=compiling)
     ids = [int(t) for t in res.tokens[0, : res.lengths[0]]]
     stats = res.summary()
     stats.update(method=args.method, budget=args.budget, topk_cap=args.topk_cap, budget_policy=args.budget_policy,

@@ -39,7 +39,7 @@ from ddtree_jax.models.cache import KVCache, commit, init_cache
 from ddtree_jax.models.dflash import Drafter, append_context, check_pair, drafter_forward
 from ddtree_jax.models.qwen3 import Target, target_forward, target_forward_packed
 from ddtree_jax.sampling import batch_probs, coins_from_keys, request_keys
-from ddtree_jax.tree import DraftTree, tree_attention_mask, tree_positions, with_token_ids
+from ddtree_jax.tree import MAX_BUDGET, DraftTree, tree_attention_mask, tree_positions, with_token_ids
 from ddtree_jax.verify import expected_acceptance
 
 METHODS = ("ar", "chain", "ddtree")
@@ -435,14 +435,19 @@ def make_spec(target: Target, drafter: Drafter | None, method: str, budget: int,
     check_pair(drafter, target)
     dc = drafter.config
     depth = dc.block_size - 1
-    spread = policies.BATCH_SPREAD if budget_policy == "batch" else 1
-    budget = checks.positive_int("budget", budget, maximum=32768 // spread)
+    budget = checks.positive_int("budget", budget, maximum=max_budget(budget_policy))
     if method == "chain":
         budget, topk_cap = depth, 1
     elif topk_cap is not None:
         topk_cap = checks.positive_int("topk_cap", topk_cap)
     cost_ms = (1.0,) * (budget + 1) if budget_policy == "adaptive" else None
     return RoundSpec(method, budget, topk_cap, depth, tuple(dc.target_layer_ids), *impls, budget_policy, cost_ms)
+
+
+def max_budget(budget_policy: str = "fixed") -> int:
+    """The largest DDTree ``budget`` under ``budget_policy``: the tree build's limit, shared under
+    ``"batch"`` by up to `budget.BATCH_SPREAD` x ``budget`` drafts a request."""
+    return MAX_BUDGET // (policies.BATCH_SPREAD if budget_policy == "batch" else 1)
 
 
 def generate(
@@ -472,6 +477,7 @@ def generate(
     chunk_rounds: int = 16,
     budget_policy: str = "fixed",
     cost_table: costs.CostTable | str | None = None,
+    on_compile: Callable[[], None] | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_new_tokens`` per request with AR, DFlash chain or DDTree decoding.
 
@@ -516,6 +522,8 @@ def generate(
       cost_table: the ``"adaptive"`` cost model (`ddtree_jax.costs`): a `costs.CostTable`, a JSON path or
         the name of a shipped table; default the local device's (none: flat, which keeps every node).
         Its curve for the batch size and the final context (longest prompt + ``max_new_tokens``).
+      on_compile: called once every argument has been checked, before the prefill and the rounds compile
+        (e.g. to say that they do); a bad argument raises ``ValueError`` before it.
 
     Returns:
       ``GenerateResult`` (tokens ``[batch, max_new_tokens]``, ``-1`` padded; lengths; statistics).
@@ -560,7 +568,8 @@ def generate(
         drafter = None if drafter is None else sharding.shard_drafter(drafter, mesh)
         prompt_BT, prompt_len_B, t, k, p, request_ids = sharding.shard_batch(
             (prompt_BT, prompt_len_B, t, k, p, request_ids), mesh)
-
+    if on_compile is not None:
+        on_compile()
     state = prefill(target, drafter, prompt_BT, prompt_len_B, spec=spec, max_len=max_len,
                     max_new_tokens=max_new_tokens, mesh=mesh)
     args = (SamplingParams(t, k, p), key, request_ids, jnp.float32(draft_temperature), jnp.asarray(stop))

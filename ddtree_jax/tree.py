@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ddtree_jax import checks, selection
 from pallas_kernels.tree_build import beam_pairs, rank_packing
 
-_MAX_BUDGET = 32768  # keeps the sorted beam's (parent lex position * K + rank) key inside int32
+MAX_BUDGET = 32768  # keeps the sorted beam's (parent lex position * K + rank) key inside int32
 
 
 @functools.partial(
@@ -225,7 +225,7 @@ def build_tree(
     checks.same_leading("root_tokens", root_tokens, draft_logits.shape[:1])
     if draft_logits.shape[1] < 1 or draft_logits.shape[2] < 2:
         raise ValueError(f"draft_logits needs L >= 1 and V >= 2, got shape {draft_logits.shape}")
-    budget = checks.positive_int("budget", budget, maximum=_MAX_BUDGET)
+    budget = checks.positive_int("budget", budget, maximum=MAX_BUDGET)
     if topk_cap is not None:
         topk_cap = checks.positive_int("topk_cap", topk_cap)
     if checks.is_concrete(draft_temperature):

@@ -85,17 +85,19 @@ def test_a_draft_vocabulary_keeps_the_greedy_tokens(capsys):
 
 def one_line_error(argv, capsys) -> str:
     """The message a bad ``ddtree`` command exits with: one line (a string code is exit status 1),
-    with nothing printed on stdout before it."""
+    with nothing printed before it, on stdout or stderr."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     message = exit_info.value.code
     assert isinstance(message, str) and "\n" not in message and message.startswith(f"ddtree {argv[0]}: ")
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr() == ("", "")
     return message
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--budget", "0"], "--budget must be >= 1, got 0"),
+    (["--budget", "40000"], "--budget must be <= 32768 with --budget-policy fixed, got 40000"),
+    (["--budget", "9000", "--budget-policy", "batch"], "--budget must be <= 8192 with --budget-policy batch, got 9000"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     (["--temperature", "-1"], "--temperature must be finite and >= 0"),
     (["--draft-temperature", "0"], "--draft-temperature must be finite and > 0"),

@@ -253,8 +253,9 @@ def test_streamed_tokens_are_the_returned_tokens_and_stop_at_max_new_tokens():
     seen = []
     res = generate(target, drafter, PROMPTS, **DDTREE, temperature=0.0, chunk_rounds=3,
                    on_round=lambda tokens, generated, round_stats: seen.append((tokens.copy(), generated.copy(),
-                                                                                round_stats)))
-    assert len(seen) == len(res.rounds)
+                                                                                round_stats)),
+                   on_compile=lambda: seen.append("compiling"))
+    assert seen.pop(0) == "compiling" and len(seen) == len(res.rounds)  # once, before the first round
     for (tokens, generated, round_stats), before in zip(seen, [np.zeros(len(PROMPTS), int)] + [g for _, g, _ in seen]):
         assert np.all(generated <= 24)
         np.testing.assert_array_equal(generated - before, round_stats.emitted)
@@ -286,11 +287,14 @@ def test_streamed_tokens_are_the_returned_tokens_and_stop_at_max_new_tokens():
     ],
 )
 def test_bad_input_gets_a_clear_error(kwargs, message):
+    """... before anything compiles: ``on_compile`` is not called."""
     target, drafter = tiny_pair(vocab=8)
     args = dict(prompt_ids=[[1, 2, 3]], method="ddtree", budget=4, max_new_tokens=4)
     args.update(kwargs)
+    compiled = []
     with pytest.raises(ValueError, match=message):
-        generate(target, drafter, args.pop("prompt_ids"), **args)
+        generate(target, drafter, args.pop("prompt_ids"), **args, on_compile=lambda: compiled.append(1))
+    assert compiled == []
 
 
 def test_ddtree_needs_a_matching_drafter():
