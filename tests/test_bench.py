@@ -127,6 +127,9 @@ def test_bench_rejects_bad_flags(tmp_path, flag, value, message):
     assert exit_info.value.code.startswith("ddtree bench: --")
 
 
-def test_bench_rejects_bad_lists():
+@pytest.mark.parametrize("flag, value", [("--budgets", "16,0"), ("--budgets", "16,40000"),
+                                         ("--embedded-budgets", "40000"), ("--contexts", "0,64")])
+def test_bench_rejects_bad_lists(flag, value, capsys):
     with pytest.raises(SystemExit):
-        cli.main(["bench", "--budgets", "16,0"])
+        cli.main(["bench", flag, value])
+    assert f"argument {flag}: expected comma-separated integers" in capsys.readouterr().err

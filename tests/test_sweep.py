@@ -44,10 +44,24 @@ def test_grid_is_canonical_and_grouped_by_compiled_round():
     ("methods", ("beam",), "methods"), ("budgets", (0,), "budgets"), ("topk_caps", (-1,), "topk_caps"),
     ("temperatures", (-0.5,), "temperatures"), ("top_ps", (1.5,), "top_ps"), ("top_ks", (-2,), "top_ks"),
     ("draft_temperatures", (0.0,), "draft_temperatures"), ("budgets", (), "budgets must not be empty"),
+    ("budgets", (16, 40000), r"budgets .*in \[1, 32768\]"),
 ])
 def test_bad_grid_values_are_named(field, value, message):
     with pytest.raises(ValueError, match=message):
         Grid(**dict(GRID, **{field: value}))
+
+
+def test_budgets_are_bounded_by_every_policy_of_the_grid():
+    Grid(**dict(GRID, budgets=(32768,)))
+    with pytest.raises(ValueError, match=r"in \[1, 8192\] \(the budget policies fixed, batch\)"):
+        Grid(**dict(GRID, budgets=(9000,), budget_policies=("fixed", "batch")))
+
+
+def test_the_output_must_be_a_csv(tmp_path):
+    grid, settings, _ = tiny(tmp_path, (0.0,))
+    with pytest.raises(ValueError, match="out must be a .csv path"):
+        sweep.run_sweep(grid, settings, tmp_path / "sweep.json")
+    assert list(tmp_path.iterdir()) == []
 
 
 def tiny(tmp_path, temperatures):

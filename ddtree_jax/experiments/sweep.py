@@ -47,7 +47,7 @@ from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR, TOKENIZER_PATH
 from ddtree_jax.budget import POLICIES
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.draft_vocab import with_frequent_tokens
-from ddtree_jax.engine import METHODS, generate
+from ddtree_jax.engine import METHODS, generate, max_budget
 from ddtree_jax.experiments import corpus
 from ddtree_jax.experiments.provenance import command_line
 from ddtree_jax.experiments.stats import per_request_tau
@@ -89,14 +89,16 @@ class Grid:
 
     def __post_init__(self):
         _check_values("methods", self.methods, lambda m: m in METHODS, f"one of {METHODS}")
-        _check_values("budgets", self.budgets, lambda b: b >= 1, ">= 1")
+        _check_values("budget_policies", self.budget_policies, lambda p: p in POLICIES, f"one of {POLICIES}")
+        limit = min(max_budget(p) for p in self.budget_policies)
+        _check_values("budgets", self.budgets, lambda b: 1 <= b <= limit,
+                      f"in [1, {limit}] (the budget policies {', '.join(self.budget_policies)})")
         _check_values("topk_caps", self.topk_caps, lambda c: c >= 0, ">= 0 (0 = no cap)")
         _check_values("temperatures", self.temperatures, lambda t: np.isfinite(t) and t >= 0, "finite and >= 0")
         _check_values("top_ps", self.top_ps, lambda p: 0 < p <= 1, "in (0, 1]")
         _check_values("top_ks", self.top_ks, lambda k: k >= 0, ">= 0 (0 = off)")
         _check_values("draft_temperatures", self.draft_temperatures, lambda t: np.isfinite(t) and t > 0,
                       "finite and > 0")
-        _check_values("budget_policies", self.budget_policies, lambda p: p in POLICIES, f"one of {POLICIES}")
         _check_values("draft_vocabs", self.draft_vocabs, lambda w: w >= 0, ">= 0 (0 = the whole vocabulary)")
 
 
@@ -302,6 +304,8 @@ def run_sweep(grid: Grid, settings: Settings, out: str | Path, *, tokenizer: str
     encodes the held-out prompts. ``restart`` discards an existing CSV instead of resuming it.
     """
     out = Path(out)
+    if out.suffix != ".csv":
+        raise ValueError(f"out must be a .csv path (the run record goes beside it, to <out>.json), got {str(out)!r}")
     target_dir = TARGET_DIR if settings.target == EMBEDDED else Path(settings.target)
     drafter_dir = DRAFTER_DIR if settings.drafter == EMBEDDED else Path(settings.drafter)
     for name, path in (("target", target_dir), ("drafter", drafter_dir)):
