@@ -521,7 +521,8 @@ def generate(
         ``batch x (budget + 1)`` rows; not with a mesh whose ``"dp"`` axis is larger than 1).
       cost_table: the ``"adaptive"`` cost model (`ddtree_jax.costs`): a `costs.CostTable`, a JSON path or
         the name of a shipped table; default the local device's (none: flat, which keeps every node).
-        Its curve for the batch size and the final context (longest prompt + ``max_new_tokens``).
+        Its curve for the batch size and the final context (longest prompt + ``max_new_tokens``). Checked
+        whenever given; the other policies do not use it.
       on_compile: called once every argument has been checked, before the prefill and the rounds compile
         (e.g. to say that they do); a bad argument raises ``ValueError`` before it.
 
@@ -537,8 +538,9 @@ def generate(
     checks.draft_temperature(draft_temperature)
     prompt_BT, prompt_len_B = _pad_prompts(prompt_ids, target.config.vocab_size)
     batch = prompt_BT.shape[0]
+    table = costs.resolve(cost_table) if cost_table is not None or spec.budget_policy == "adaptive" else None
     if spec.budget_policy == "adaptive":
-        cost_ms = costs.resolve(cost_table).round_costs(batch, prompt_BT.shape[1] + max_new_tokens, spec.budget)
+        cost_ms = table.round_costs(batch, prompt_BT.shape[1] + max_new_tokens, spec.budget)
         spec = dataclasses.replace(spec, cost_ms=cost_ms)
     t, k, p = checks.sampling_params(temperature, top_k, top_p, batch)
     request_ids = jnp.arange(batch, dtype=jnp.int32) if request_ids is None else jnp.asarray(request_ids, jnp.int32)

@@ -99,6 +99,7 @@ def test_sampling_has_the_ar_law_of_three_tokens_under_each_policy(policy, budge
     (dict(budget_policy="batch", method="ar"), "needs method 'ddtree'"),
     (dict(budget_policy="batch", budget=32768 // BATCH_SPREAD + 1), "budget"),
     (dict(budget_policy="adaptive", cost_table="/nonexistent.json"), "neither a file nor a shipped table"),
+    (dict(cost_table="/nonexistent.json"), "neither a file nor a shipped table"),  # unused by "fixed", still checked
     # A falling last segment extrapolates to negative round times past its last point.
     (dict(budget_policy="adaptive", cost_table=costs.CostTable("test", (costs.CostCurve(1, 1, (1, 2), (5.0, 1.0)),))),
      r"cost_ms must be 5 finite times > 0"),
