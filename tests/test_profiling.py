@@ -75,7 +75,9 @@ HLO = """HloModule jit_round, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
 
 ENTRY %main (x: f32[4]) -> f32[4] {
   %x = f32[4]{0} parameter(0), metadata={op_name="x"}
-  ROOT %while.1 = f32[4]{0} while(%x), condition=%cond, body=%body
+  %copy.1 = f32[4]{0} copy(%x)
+  %while.1 = f32[4]{0} while(%copy.1), condition=%cond, body=%body
+  ROOT %copy.2 = f32[4]{0} copy(%while.1)
 }
 """
 
@@ -87,6 +89,8 @@ def test_scope_parts_reads_op_names_and_fused_computations():
     assert parts["custom-call.9"] == parts["custom_call_9"] == "verify"
     assert parts["tanh.0"] == parts["loop_fusion.2"] == parts["loop_fusion_2"] == "draft"
     assert parts["while.1"] == "draft"  # two of its body's three ops are draft ones
+    # copies without metadata: the part of their operand, else of their user
+    assert parts["copy.2"] == parts["copy.1"] == "draft"
     assert "x" not in parts and "param_0" not in parts
     assert profiling.kernel_name("gemm_fusion_dot.21") == "gemm_fusion_dot_21"
 

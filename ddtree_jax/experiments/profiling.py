@@ -147,6 +147,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)="
                      r"(\{[^}]*\}|%?[\w.\-]+)")
 _NAME = re.compile(r"%?([\w.\-]+)")
+_SOURCE = re.compile(r"\s(?:parameter|constant)\(")
 
 
 def kernel_name(instruction: str) -> str:
@@ -155,22 +156,29 @@ def kernel_name(instruction: str) -> str:
     return re.sub(r"[.\-]", "_", instruction)
 
 
+def _vote(parts) -> str | None:
+    votes = collections.Counter(p for p in parts if p)
+    return votes.most_common(1)[0][0] if votes else None
+
+
 def scope_parts(hlo_text: str, parts: Iterable[str]) -> dict[str, str]:
     """``{instruction or kernel name: part}`` for the instructions of a compiled program (its HLO text,
     ``compiled.as_text()``) traced in one of the named scopes ``parts``: the first component of the
     instruction's ``op_name`` (``jit(f)/while/body/draft/layer_0/dot_general`` -> ``draft``) that is a
-    part; an instruction without one takes the part most of the instructions it calls have (a fusion's
-    fused computation)."""
+    part. An instruction without one (XLA adds copies and converts without metadata) takes the part
+    most of the instructions it calls have (a fusion's fused computation), else most of its operands',
+    else most of its users'."""
     parts = frozenset(parts)
-    own, calls, members = {}, {}, collections.defaultdict(list)
+    own, calls, operands, members = {}, {}, {}, collections.defaultdict(list)
     computation = None
     for line in hlo_text.splitlines():
         if instruction := _INSTRUCTION.match(line):
             name = instruction.group(1)
             op_name = _OP_NAME.search(line)
-            scope = next((c for c in op_name.group(1).split("/") if c in parts), None) if op_name else None
-            own[name] = scope
+            own[name] = next((c for c in op_name.group(1).split("/") if c in parts), None) if op_name else None
             calls[name] = [n for group in _CALLED.findall(line) for n in _NAME.findall(group)]
+            # parameters and constants run nothing: no part of their own to infer
+            operands[name] = None if _SOURCE.search(line) else re.findall(r"%([\w.\-]+)", line[instruction.end():])
             if computation is not None:
                 members[computation].append(name)
         elif header := _COMPUTATION.match(line):
@@ -179,13 +187,18 @@ def scope_parts(hlo_text: str, parts: Iterable[str]) -> dict[str, str]:
     def part_of(name, seen):
         if own.get(name):
             return own[name]
-        votes = collections.Counter(p for c in calls.get(name, ()) if c not in seen
-                                    for m in members.get(c, ()) if (p := part_of(m, seen | {c})))
-        return votes.most_common(1)[0][0] if votes else None
+        return _vote(part_of(m, seen | {c}) for c in calls.get(name, ()) if c not in seen for m in members.get(c, ()))
 
+    base = {name: part_of(name, frozenset()) for name in own}
+    users = collections.defaultdict(list)
+    for name, names in operands.items():
+        for operand in names or ():
+            users[operand].append(name)
     table = {}
-    for name in own:
-        if part := part_of(name, frozenset()):
+    for name, part in base.items():
+        if not part and operands[name] is not None:
+            part = _vote(base.get(o) for o in operands[name]) or _vote(base[u] for u in users[name])
+        if part:
             table[name] = part
             table.setdefault(kernel_name(name), part)
     return table
