@@ -15,7 +15,7 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # XLA attention (what auto picks on a CPU) lets --mesh-check reuse the round compiled for B=4
     argv = ["bench", "--shapes", "tiny", "--batches", "2", "--contexts", "16", "--budgets", "4,8", "--repeats", "1",
-            "--mesh-check", "--build-check", "--profile", "--profile-ops", "4", "--hlo",
+            "--mesh-check", "--build-check", "--profile", "--profile-ops", "4", "--hlo", "--with-expected",
             "--embedded", "--embedded-batches", "1", "--new-tokens", "6",
             "--top-k", "5", "--attention-impl", "xla", "--draft-temperature", "0.7", "--out", str(out)]
     assert cli.main(argv) == 0
@@ -46,11 +46,12 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     round_hlo = (tmp_path / "bench_round_b2_c16.hlo.txt").read_text()
     decode_hlo = (tmp_path / "bench_decode_b2_c16.hlo.txt").read_text()
     assert "fusion" in round_hlo and "ENTRY" in decode_hlo
-    # every step of the compiled round keeps its named scope, which a device profile sums by (the benchmark's
-    # rounds skip the expected acceptance: no "stats" ops)
-    steps = {"draft", "build", "verify", "sample", "commit"}
-    assert set(profiling.scope_parts(round_hlo, engine.ROUND_PARTS).values()) == steps
-    assert set(profiling.scope_parts(decode_hlo, engine.ROUND_PARTS).values()) == steps - {"draft", "build"}
+    # every step of the compiled round (--with-expected: the expected acceptance too) keeps its named scope,
+    # which a device profile sums by
+    steps = set(engine.ROUND_PARTS)
+    assert set(profiling.scope_parts(round_hlo, steps).values()) == steps
+    # (an AR round has no drafts: its expected acceptance, 0, compiles to no op)
+    assert set(profiling.scope_parts(decode_hlo, steps).values()) == {"verify", "sample", "commit"}
     embedded = result["embedded"]
     assert [(r["temperature"], r["method"]) for r in embedded] == [
         (t, m) for t in (0.0, 1.0) for m in ("ar", "chain", "ddtree")]
@@ -58,6 +59,7 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     assert all(r["tau"] == 1 for r in embedded if r["method"] == "ar")
     assert all(r["draft_temperature"] == 0.7 for r in embedded)
     assert result["meta"]["settings"]["budgets"] == [4, 8] and result["meta"]["settings"]["top_k"] == 5
+    assert result["meta"]["settings"]["with_expected"] is True
 
 
 def test_rooflines_read_the_weights_and_the_kv_caches_of_the_batch_and_context():

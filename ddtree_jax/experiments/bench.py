@@ -221,13 +221,13 @@ def shard_models(target, drafter, mesh):
     return sharding.shard_target(target, mesh), sharding.shard_drafter(drafter, mesh)
 
 
-def time_round(target, drafter, spec, state, sampling, repeats, mesh=None) -> float:
+def time_round(target, drafter, spec, state, sampling, repeats, mesh=None, with_expected=False) -> float:
     """Median ms of the engine's whole round, the state threaded through as ``generate`` does.
 
     With a ``mesh``, ``target`` and ``drafter`` must already be placed on it (`shard_models`); the
     state is placed here.
     """
-    return median_ms(round_runner(target, drafter, spec, state, sampling, mesh), repeats)
+    return median_ms(round_runner(target, drafter, spec, state, sampling, mesh, with_expected), repeats)
 
 
 def round_args(batch: int, sampling) -> tuple:
@@ -237,13 +237,16 @@ def round_args(batch: int, sampling) -> tuple:
             jnp.array([-2], jnp.int32))
 
 
-def round_runner(target, drafter, spec, state, sampling, mesh=None):
+def round_runner(target, drafter, spec, state, sampling, mesh=None, with_expected=False):
     """A function that runs the engine's round once per call, threading the state through (see
-    `time_round`). Its ``hlo()`` is the round's optimized HLO text (for reading a profile's op names)."""
+    `time_round`); ``with_expected``: the round also computes the exact expected acceptance, as
+    ``generate`` does by default. Its ``hlo()`` is the round's optimized HLO text (for reading a profile's
+    op names)."""
     if mesh is not None:
         state = jax.device_put(state, sharding.state_shardings(state, mesh))
     args = round_args(state.root.shape[0], sampling)
-    step = functools.partial(engine.decode_round, spec=spec, max_new_tokens=10**6, with_expected=False, mesh=mesh)
+    step = functools.partial(engine.decode_round, spec=spec, max_new_tokens=10**6, with_expected=with_expected,
+                             mesh=mesh)
     box = [state]
     drafter = drafter if spec.method != "ar" else None
 
@@ -356,7 +359,8 @@ def bench_shapes(args, emit) -> None:
         sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
         for context in args.contexts:
             ar = engine.make_spec(target, None, "ar", 1, None, **impls)
-            decode = round_runner(target, drafter, ar, make_state(target, drafter, ar, batch, context), sampling)
+            decode = round_runner(target, drafter, ar, make_state(target, drafter, ar, batch, context), sampling,
+                                  with_expected=args.with_expected)
             decode_first_s = first_call_s(decode)
             decode_ms = median_ms(decode, args.repeats)
             decode_b2b_ms = back_to_back_ms(decode, args.repeats)
@@ -372,7 +376,7 @@ def bench_shapes(args, emit) -> None:
                 spec = engine.make_spec(target, drafter, "ddtree", budget, args.topk_cap or None, **impls)
                 state = make_state(target, drafter, spec, batch, context)
                 parts = time_parts(target, drafter, spec, state, sampling, args.repeats)
-                run = round_runner(target, drafter, spec, state, sampling)
+                run = round_runner(target, drafter, spec, state, sampling, with_expected=args.with_expected)
                 round_first_s = first_call_s(run)
                 round_ms = median_ms(run, args.repeats)
                 round_b2b_ms = back_to_back_ms(run, args.repeats)
@@ -407,14 +411,14 @@ def bench_shapes(args, emit) -> None:
                     xla_build = dataclasses.replace(spec, build_impl="xla")
                     row["round_xla_build_back_to_back_ms"] = back_to_back_ms(
                         round_runner(target, drafter, xla_build, make_state(target, drafter, xla_build, batch, context),
-                                     sampling), args.repeats)
+                                     sampling, with_expected=args.with_expected), args.repeats)
                     print(f"  B={budget:4d}: round back to back {round_b2b_ms:.2f} ms, with the XLA tree build "
                           f"{row['round_xla_build_back_to_back_ms']:.2f} ms", flush=True)
                 if args.draft_vocab:  # the same round with the whole vocabulary, in this process
                     full = with_draft_vocab(drafter, target, None)
                     row["round_full_vocab_back_to_back_ms"] = back_to_back_ms(
-                        round_runner(target, full, spec, make_state(target, full, spec, batch, context), sampling),
-                        args.repeats)
+                        round_runner(target, full, spec, make_state(target, full, spec, batch, context), sampling,
+                                     with_expected=args.with_expected), args.repeats)
                     print(f"  B={budget:4d}: round back to back {round_b2b_ms:.2f} ms drafting from "
                           f"{args.draft_vocab} tokens, {row['round_full_vocab_back_to_back_ms']:.2f} ms from all "
                           f"{target.config.vocab_size}", flush=True)
@@ -475,7 +479,7 @@ def bench_generate(args, emit) -> None:
                 run = functools.partial(engine.generate, target, drafter, prompts, method=method, budget=budget,
                                         topk_cap=args.topk_cap or None, temperature=args.temperature,
                                         top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.new_tokens,
-                                        with_expected=False, **impls)
+                                        with_expected=args.with_expected, **impls)
                 run()  # compiles
                 streamed = []
                 start = time.perf_counter()
@@ -484,7 +488,8 @@ def bench_generate(args, emit) -> None:
                 generate_round_ms = 1e3 * res.seconds / len(res.rounds)
                 spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, **impls)
                 state = make_state(target, drafter, spec, batch, context, max_new=args.new_tokens)
-                round_ms = median_ms(round_runner(target, drafter, spec, state, sampling), args.repeats)
+                round_ms = median_ms(round_runner(target, drafter, spec, state, sampling,
+                                                  with_expected=args.with_expected), args.repeats)
                 row = dict(batch=batch, context=context, method=method, budget=budget, rounds=len(res.rounds),
                            generate_round_ms=generate_round_ms, jitted_round_ms=round_ms,
                            overhead=generate_round_ms / round_ms, tokens_per_s=res.tokens_per_s,
@@ -626,6 +631,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the drafter drafts from this many tokens (parts 1 and 3: the lowest ids, part 1 also "
                         "timing the round with all of them; part 2: the most frequent, by the embedded target's "
                         "token counts); 0 = the whole vocabulary")
+    p.add_argument("--with-expected", action="store_true",
+                   help="rounds (parts 1 and 3) also compute the exact expected acceptance each round, as generate() "
+                        "does by default and ddtree generate reports; off: the round alone")
     p.add_argument("--draft-temperature", type=float, default=1.0,
                    help="temperature of the draft marginals the chain and DDTree draft from in part 2")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="JSON output")
