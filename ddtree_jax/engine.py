@@ -45,7 +45,7 @@ from ddtree_jax.verify import expected_acceptance
 METHODS = ("ar", "chain", "ddtree")
 # The named scopes of a round's steps, in order (`_round`): a device profile sums its ops by them
 # (`ddtree_jax.experiments.profiling.scope_parts`).
-ROUND_PARTS = ("draft", "build", "verify", "sample", "commit", "stats")
+ROUND_PARTS = ("draft", "build", "encode", "verify", "sample", "commit", "stats")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +239,8 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
 def _verify_forward(target, tree: DraftTree, cache: KVCache, spec: RoundSpec, mesh):
     """Step 3: the target over every request's tree; ``"batch"`` packs the kept nodes into
     ``B x (budget + 1)`` rows for the forward and unpacks its logits and taps to the tree layout."""
-    positions, mask = tree_positions(tree, cache.lengths), tree_attention_mask(tree)
+    with jax.named_scope("encode"):
+        positions, mask = tree_positions(tree, cache.lengths), tree_attention_mask(tree)
     kw = dict(tap_layers=spec.tap_layers, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)
     if spec.budget_policy != "batch":
         return target_forward(target, tree.tokens, positions, mask, cache, **kw)

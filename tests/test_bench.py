@@ -51,7 +51,7 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     steps = set(engine.ROUND_PARTS)
     assert set(profiling.scope_parts(round_hlo, steps).values()) == steps
     # (an AR round has no drafts: its expected acceptance, 0, compiles to no op)
-    assert set(profiling.scope_parts(decode_hlo, steps).values()) == {"verify", "sample", "commit"}
+    assert set(profiling.scope_parts(decode_hlo, steps).values()) == {"encode", "verify", "sample", "commit"}
     embedded = result["embedded"]
     assert [(r["temperature"], r["method"]) for r in embedded] == [
         (t, m) for t in (0.0, 1.0) for m in ("ar", "chain", "ddtree")]

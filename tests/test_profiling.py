@@ -45,6 +45,10 @@ def test_summarize_by_part_looks_up_the_hlo_op_then_the_name():
         "verify": dict(ms_per_call=pytest.approx(0.5), kind_share={"other": pytest.approx(1.0)})}
     assert list(summary["XLA Ops"]["parts"]) == [profiling.UNATTRIBUTED]
     assert "by part: draft 3.500, verify 0.500 ms" in profiling.format_summary(summary)
+    # 0.5 ms of verify in 4 + 3 ms over both lines
+    assert profiling.part_share(summary, ("verify", "sample")) == pytest.approx(0.5 / 7)
+    assert profiling.part_share(profiling.summarize(EVENTS, calls=2), ("verify",)) is None
+    assert profiling.part_share({}, ("verify",)) is None
 
 
 @pytest.mark.parametrize("stats, op", [
@@ -75,6 +79,7 @@ HLO = """HloModule jit_round, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
 
 ENTRY %main (x: f32[4]) -> f32[4] {
   %x = f32[4]{0} parameter(0), metadata={op_name="x"}
+  %iota.1 = s32[4]{0} iota(), iota_dimension=0, metadata={op_name="jit(round)/verify/encode/iota"}
   %copy.1 = f32[4]{0} copy(%x)
   %while.1 = f32[4]{0} while(%copy.1), condition=%cond, body=%body
   ROOT %copy.2 = f32[4]{0} copy(%while.1)
@@ -92,6 +97,8 @@ def test_scope_parts_reads_op_names_and_fused_computations():
     # copies without metadata: the part of their operand, else of their user
     assert parts["copy.2"] == parts["copy.1"] == "draft"
     assert "x" not in parts and "param_0" not in parts
+    # the innermost part of a path names it
+    assert parts["iota.1"] == "verify" and profiling.scope_parts(HLO, ("verify", "encode"))["iota.1"] == "encode"
     assert profiling.kernel_name("gemm_fusion_dot.21") == "gemm_fusion_dot_21"
 
 

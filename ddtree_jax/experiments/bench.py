@@ -11,7 +11,7 @@ also times each round back to back with the XLA tree build, next to the one ``--
 ``--profile``
 traces the decode step and the first budget's round and sums their device ops by kind (matmuls,
 the Pallas kernels, data movement, the rest; `ddtree_jax.experiments.profiling`) and by the round's
-step (drafter, tree build, verify forward, sampling, commit, statistics: `engine.ROUND_PARTS`).
+step (drafter, tree build, encodings, verify forward, sampling, commit, statistics: `engine.ROUND_PARTS`).
 Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree (each of ``--embedded-budgets``) on
 the embedded pair, with the speedup over AR measured in the same process.
 
@@ -105,6 +105,9 @@ SHAPES = {
 
 # The knobs ``--shapes`` sets unless they are given (part 1's batches, contexts, budgets and repeats;
 # part 2's batches, budgets and new tokens).
+# The round's own steps besides the forwards (`engine.ROUND_PARTS`): the tree build, its encodings, the
+# sampling. Their share of the round is `core_share` (timed in loops) and `profiled_core_share` (traced).
+CORE_PARTS = ("build", "encode", "sample")
 FULL = dict(batches=[1, 8], contexts=[1024, 8192], budgets=[16, 64, 256, 512], repeats=20, embedded_batches=[1, 8],
             embedded_budgets=[16, 64], new_tokens=128)
 TINY = dict(batches=[1], contexts=[64], budgets=[8], repeats=3, embedded_batches=[1], embedded_budgets=[8],
@@ -403,6 +406,11 @@ def bench_shapes(args, emit) -> None:
                             continue
                         print(f"  profile of the {name} (B={budget}):\n"
                               + profiling.format_summary(row[f"profile_{name}"]), flush=True)
+                        share = profiling.part_share(row[f"profile_{name}"], CORE_PARTS)
+                        if name == "round" and share is not None:
+                            row["profiled_core_share"] = share
+                            print(f"  tree build + encoding + sampling: {100 * share:.1f}% of the round's device "
+                                  "time", flush=True)
                         if args.hlo:
                             path = args.out.with_name(f"{args.out.stem}_{name}_b{batch}_c{context}.hlo.txt")
                             path.write_text(hlo)

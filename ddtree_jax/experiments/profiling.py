@@ -163,11 +163,11 @@ def _vote(parts) -> str | None:
 
 def scope_parts(hlo_text: str, parts: Iterable[str]) -> dict[str, str]:
     """``{instruction or kernel name: part}`` for the instructions of a compiled program (its HLO text,
-    ``compiled.as_text()``) traced in one of the named scopes ``parts``: the first component of the
-    instruction's ``op_name`` (``jit(f)/while/body/draft/layer_0/dot_general`` -> ``draft``) that is a
-    part. An instruction without one (XLA adds copies and converts without metadata) takes the part
-    most of the instructions it calls have (a fusion's fused computation), else most of its operands',
-    else most of its users'."""
+    ``compiled.as_text()``) traced in one of the named scopes ``parts``: the last (innermost) component
+    of the instruction's ``op_name`` that is a part (``jit(f)/while/body/draft/layer_0/dot_general`` ->
+    ``draft``, ``jit(f)/verify/encode/iota`` -> ``encode``). An instruction without one (XLA adds copies
+    and converts without metadata) takes the part most of the instructions it calls have (a fusion's
+    fused computation), else most of its operands', else most of its users'."""
     parts = frozenset(parts)
     own, calls, operands, members = {}, {}, {}, collections.defaultdict(list)
     computation = None
@@ -175,7 +175,8 @@ def scope_parts(hlo_text: str, parts: Iterable[str]) -> dict[str, str]:
         if instruction := _INSTRUCTION.match(line):
             name = instruction.group(1)
             op_name = _OP_NAME.search(line)
-            own[name] = next((c for c in op_name.group(1).split("/") if c in parts), None) if op_name else None
+            path = op_name.group(1).split("/") if op_name else ()
+            own[name] = next((c for c in reversed(path) if c in parts), None)
             calls[name] = [n for group in _CALLED.findall(line) for n in _NAME.findall(group)]
             # parameters and constants run nothing: no part of their own to infer
             operands[name] = None if _SOURCE.search(line) else re.findall(r"%([\w.\-]+)", line[instruction.end():])
@@ -202,6 +203,17 @@ def scope_parts(hlo_text: str, parts: Iterable[str]) -> dict[str, str]:
             table[name] = part
             table.setdefault(kernel_name(name), part)
     return table
+
+
+def part_share(summary: dict, parts: Iterable[str]) -> float | None:
+    """The share of a `summarize` result's time (all its lines; summed by part) spent in ``parts``;
+    ``None`` for a summary without time or parts (the CPU's)."""
+    lines = [s["parts"] for s in summary.values() if "parts" in s]
+    total = sum(p["ms_per_call"] for line in lines for p in line.values())
+    if not total:
+        return None
+    parts = frozenset(parts)
+    return sum(p["ms_per_call"] for line in lines for part, p in line.items() if part in parts) / total
 
 
 def format_summary(summary: dict, ops: int = 5) -> str:
