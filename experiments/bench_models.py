@@ -7,8 +7,9 @@ both references), batch and context: the target forward of one token
 append + block + LM head); ``--variants`` compiles each forward under several named sets of XLA GPU
 options (`VARIANTS`: command buffers, which run the step as CUDA graphs; an exhaustive GEMM tiling
 search; fusion passes that put more ops into Triton fusions), one variant failing to compile leaving
-the others; with ``--profile`` each decode forward's device ops are summed by kind (and
-the optimized HLO of the first is written next to the JSON with ``--hlo``). One process, warm jit,
+the others; with ``--profile`` each forward's device ops are summed by kind (and the optimized HLO of
+the first decode forward is written next to the JSON with ``--hlo``); ``--draft-vocab`` W gives the
+drafter a head over W tokens, as ``ddtree bench --draft-vocab`` does. One process, warm jit,
 ``block_until_ready``, medians of ``--repeats`` calls. The roofline is the bytes a forward must
 stream (all layer weights + the LM head) over ``--hbm-tbps``.
 
@@ -88,14 +89,18 @@ def main(argv=None):
     ap.add_argument("--nodes", default="16,64")
     ap.add_argument("--variants", default="default",
                     help=f"comma-separated names of XLA option sets, from: {', '.join(VARIANTS)}")
-    ap.add_argument("--profile", action="store_true", help="sum the device ops of each decode forward by kind")
+    ap.add_argument("--profile", action="store_true", help="sum the device ops of each forward by kind")
     ap.add_argument("--profile-ops", type=int, default=15, help="ops listed per profile, the longest first")
     ap.add_argument("--hlo", action="store_true", help="write the optimized HLO of the first decode forward")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="the drafter's head over this many tokens (0: the whole vocabulary)")
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_models.json"))
     args = ap.parse_args(argv)
-    target, drafter = make_models(args.shapes)
+    if args.draft_vocab < 0:
+        ap.error(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
+    target, drafter = make_models(args.shapes, args.draft_vocab)
     roofline_ms = 1e3 * streamed_bytes(target) / (args.hbm_tbps * 1e12)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; weights streamed "
           f"{streamed_bytes(target) / 1e9:.2f} GB, roofline {roofline_ms:.2f} ms", flush=True)
@@ -130,7 +135,7 @@ def main(argv=None):
         row.update(ms=ms, vs_roofline=ms / roofline_ms)
         if row["forward"] == "decode" and args.hlo and not any(r["forward"] == "decode" for r in rows):
             (args.out.parent / f"{args.out.stem}_decode_{row['matmul_impl']}.hlo.txt").write_text(fn.as_text())
-        if row["forward"] == "decode" and args.profile:
+        if args.profile:
             row["profile"] = profiling.device_op_times(lambda fn=fn, fargs=fargs: fn(*fargs)[0],
                                                        top=args.profile_ops)
             print(profiling.format_summary(row["profile"], ops=12), flush=True)

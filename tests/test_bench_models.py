@@ -14,11 +14,12 @@ from experiments import bench_models  # noqa: E402
 def test_bench_models_tiny_variants(tmp_path):
     out = tmp_path / "models.json"
     bench_models.main(["--shapes", "tiny", "--matmul-impls", "xla", "--nodes", "", "--variants",
-                       "default,cublaslt", "--repeats", "2", "--out", str(out)])
+                       "default,cublaslt", "--repeats", "2", "--profile", "--draft-vocab", "64", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["forward"]) for r in rows] == [("default", "decode"), ("default", "drafter"),
                                                           ("cublaslt", "decode"), ("cublaslt", "drafter")]
     assert all(r["ms"] > 0 and "error" not in r for r in rows)
+    assert all(r["profile"] == {} for r in rows)  # every forward profiled; the CPU records no device plane
 
 
 def test_bench_models_names_an_unknown_variant(tmp_path):
