@@ -237,8 +237,9 @@ def _draft_tree(target, drafter, state, spec: RoundSpec, draft_temperature, mesh
 
 
 def _verify_forward(target, tree: DraftTree, cache: KVCache, spec: RoundSpec, mesh):
-    """Step 3: the target over every request's tree; ``"batch"`` packs the kept nodes into
-    ``B x (budget + 1)`` rows for the forward and unpacks its logits and taps to the tree layout."""
+    """Step 3: the target over every request's tree, after the tree's positions and mask (traced in the
+    ``encode`` scope); ``"batch"`` packs the kept nodes into ``B x (budget + 1)`` rows for the forward
+    and unpacks its logits and taps to the tree layout."""
     with jax.named_scope("encode"):
         positions, mask = tree_positions(tree, cache.lengths), tree_attention_mask(tree)
     kw = dict(tap_layers=spec.tap_layers, attention_impl=spec.attention_impl, matmul_impl=spec.matmul_impl, mesh=mesh)

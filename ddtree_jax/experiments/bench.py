@@ -103,11 +103,12 @@ SHAPES = {
 }
 
 
-# The knobs ``--shapes`` sets unless they are given (part 1's batches, contexts, budgets and repeats;
-# part 2's batches, budgets and new tokens).
 # The round's own steps besides the forwards (`engine.ROUND_PARTS`): the tree build, its encodings, the
 # sampling. Their share of the round is `core_share` (timed in loops) and `profiled_core_share` (traced).
 CORE_PARTS = ("build", "encode", "sample")
+
+# The knobs ``--shapes`` sets unless they are given (part 1's batches, contexts, budgets and repeats;
+# part 2's batches, budgets and new tokens).
 FULL = dict(batches=[1, 8], contexts=[1024, 8192], budgets=[16, 64, 256, 512], repeats=20, embedded_batches=[1, 8],
             embedded_budgets=[16, 64], new_tokens=128)
 TINY = dict(batches=[1], contexts=[64], budgets=[8], repeats=3, embedded_batches=[1], embedded_budgets=[8],
