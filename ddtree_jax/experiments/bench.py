@@ -9,7 +9,7 @@ zero-filled to the given context length: a round's cost does not depend on the c
 round without one (both on the XLA attention path, which XLA partitions itself). ``--build-check``
 also times each round back to back with the XLA tree build, next to the one ``--build-impl`` chose.
 ``--profile``
-traces the decode step and the first budget's round and sums their device ops by kind (matmuls,
+traces the decode step and each budget's round and sums their device ops by kind (matmuls,
 the Pallas kernels, data movement, the rest; `ddtree_jax.experiments.profiling`) and by the round's
 step (drafter, tree build, encodings, verify forward, sampling, commit, statistics: `engine.ROUND_PARTS`).
 Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree (each of ``--embedded-budgets``) on
@@ -394,28 +394,9 @@ def bench_shapes(args, emit) -> None:
                 row["round_over_decode"] = round_ms / decode_ms  # = the break-even tau
                 row["parts_sum_ms"] = sum(v for k, v in parts.items() if "in_loop" not in k)  # each alone
                 row["core_share"] = (parts["tree_in_loop_ms"] + parts["sampling_in_loop_ms"]) / round_b2b_ms
-                if args.profile and budget == args.budgets[0]:
-                    for name, runner in (("decode", decode), ("round", run)):
-                        try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
-                            hlo = runner.hlo()
-                            row[f"profile_{name}"] = profiling.device_op_times(
-                                runner, calls=3, top=args.profile_ops,
-                                parts=profiling.scope_parts(hlo, engine.ROUND_PARTS))
-                        except Exception as e:  # noqa: BLE001
-                            row[f"profile_{name}_error"] = repr(e)
-                            print(f"  profile of the {name} failed: {e!r}", flush=True)
-                            continue
-                        print(f"  profile of the {name} (B={budget}):\n"
-                              + profiling.format_summary(row[f"profile_{name}"]), flush=True)
-                        share = profiling.part_share(row[f"profile_{name}"], CORE_PARTS)
-                        if name == "round" and share is not None:
-                            row["profiled_core_share"] = share
-                            print(f"  tree build + encoding + sampling: {100 * share:.1f}% of the round's device "
-                                  "time", flush=True)
-                        if args.hlo:
-                            path = args.out.with_name(f"{args.out.stem}_{name}_b{batch}_c{context}.hlo.txt")
-                            path.write_text(hlo)
-                            print(f"  wrote {path}", flush=True)
+                if args.profile:
+                    programs = [("decode", decode)] if budget == args.budgets[0] else []
+                    profile_programs(args, row, [*programs, ("round", run)], f"b{batch}_c{context}_B{budget}")
                 if args.build_check and spec.build_impl != "xla":
                     xla_build = dataclasses.replace(spec, build_impl="xla")
                     row["round_xla_build_back_to_back_ms"] = back_to_back_ms(
@@ -450,6 +431,30 @@ def bench_shapes(args, emit) -> None:
                       + (f" | mesh(1,1) {row['round_mesh1_ms']:.2f} vs {row['round_xla_ms']:.2f} ms"
                          if "round_mesh1_ms" in row else ""), flush=True)
                 emit(row)
+
+
+def profile_programs(args, row, programs, tag: str) -> None:
+    """``--profile``: trace each ``(name, runner)`` of ``programs`` (`round_runner`s), summed by kind and by
+    the round's step, into ``row["profile_<name>"]`` (the round's also into ``profiled_core_share``); with
+    ``--hlo`` write each one's optimized HLO next to the JSON, named after ``tag``."""
+    for name, runner in programs:
+        try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
+            hlo = runner.hlo()
+            row[f"profile_{name}"] = profiling.device_op_times(runner, calls=3, top=args.profile_ops,
+                                                               parts=profiling.scope_parts(hlo, engine.ROUND_PARTS))
+        except Exception as e:  # noqa: BLE001
+            row[f"profile_{name}_error"] = repr(e)
+            print(f"  profile of the {name} failed: {e!r}", flush=True)
+            continue
+        print(f"  profile of the {name} ({tag}):\n" + profiling.format_summary(row[f"profile_{name}"]), flush=True)
+        share = profiling.part_share(row[f"profile_{name}"], CORE_PARTS)
+        if name == "round" and share is not None:
+            row["profiled_core_share"] = share
+            print(f"  tree build + encoding + sampling: {100 * share:.1f}% of the round's device time", flush=True)
+        if args.hlo:
+            path = args.out.with_name(f"{args.out.stem}_{name}_{tag}.hlo.txt")
+            path.write_text(hlo)
+            print(f"  wrote {path}", flush=True)
 
 
 def prefill_flops(target, batch: int, length: int) -> float:
@@ -625,7 +630,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--build-check", action="store_true",
                    help="also time each round back to back with the XLA tree build (--build-impl xla), for comparison")
     p.add_argument("--profile", action="store_true",
-                   help="also trace the decode step and the first budget's round and sum their device ops, by "
+                   help="also trace the decode step and each budget's round and sum their device ops, by "
                         "kind and by the round's step")
     p.add_argument("--hlo", action="store_true",
                    help="with --profile, also write each profiled program's optimized HLO next to the JSON")
