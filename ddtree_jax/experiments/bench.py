@@ -225,13 +225,13 @@ def shard_models(target, drafter, mesh):
     return sharding.shard_target(target, mesh), sharding.shard_drafter(drafter, mesh)
 
 
-def time_round(target, drafter, spec, state, sampling, repeats, mesh=None, with_expected=False) -> float:
+def time_round(target, drafter, spec, state, sampling, repeats, mesh=None) -> float:
     """Median ms of the engine's whole round, the state threaded through as ``generate`` does.
 
     With a ``mesh``, ``target`` and ``drafter`` must already be placed on it (`shard_models`); the
     state is placed here.
     """
-    return median_ms(round_runner(target, drafter, spec, state, sampling, mesh, with_expected), repeats)
+    return median_ms(round_runner(target, drafter, spec, state, sampling, mesh), repeats)
 
 
 def round_args(batch: int, sampling) -> tuple:
