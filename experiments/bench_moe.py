@@ -138,20 +138,14 @@ def measure(target, args, budget: int | None, hbm_bytes_per_s: float) -> dict:
                 all_experts_roofline_ms=1e3 * all_bytes / hbm_bytes_per_s, streamed_gb=touched_bytes / 1e9)
 
 
-def _ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return values
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", choices=sorted(k for k, v in bench.SHAPES.items() if "num_experts" in v["target"]),
                    default="qwen3-30b-a3b")
     p.add_argument("--batch", type=int, default=1, help="requests per step")
     p.add_argument("--context", type=int, default=1024, help="committed cache slots per request")
-    p.add_argument("--budgets", type=_ints, default=[16, 64, 256], help="DDTree node budgets of the verify rows")
+    p.add_argument("--budgets", type=bench.int_list, default=[16, 64, 256],
+                   help="DDTree node budgets of the verify rows")
     p.add_argument("--depth", type=int, default=15, help="drafted depths L of the random draft logits")
     p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the rooflines, TB/s")

@@ -586,7 +586,8 @@ def write_cost_table(result: dict, out: Path) -> Path | None:
     return path
 
 
-def _ints(text: str, maximum: int | None = None) -> list[int]:
+def int_list(text: str, maximum: int | None = None) -> list[int]:
+    """An argparse type: ``"1,8"`` -> ``[1, 8]``, ints >= 1 (and <= ``maximum`` if given)."""
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1 or (maximum is not None and max(values) > maximum):
         bound = ">= 1" if maximum is None else f"in [1, {maximum}]"
@@ -595,7 +596,7 @@ def _ints(text: str, maximum: int | None = None) -> list[int]:
 
 
 def _budgets(text: str) -> list[int]:
-    return _ints(text, engine.max_budget())
+    return int_list(text, engine.max_budget())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -607,8 +608,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b",
                    help="model shapes of part 1; tiny also makes the knobs below tiny")
     p.add_argument("--skip-shapes", action="store_true", help="skip part 1")
-    p.add_argument("--batches", type=_ints, help="part 1 batch sizes " + preset("batches"))
-    p.add_argument("--contexts", type=_ints, help="part 1 committed context lengths " + preset("contexts"))
+    p.add_argument("--batches", type=int_list, help="part 1 batch sizes " + preset("batches"))
+    p.add_argument("--contexts", type=int_list, help="part 1 committed context lengths " + preset("contexts"))
     p.add_argument("--budgets", type=_budgets, help="part 1 DDTree node budgets " + preset("budgets"))
     p.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the tree (0 = none)")
     p.add_argument("--temperature", type=float, default=1.0, help="target temperature of part 1 (0 = greedy)")
@@ -638,7 +639,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the roofline (accelerators), TB/s")
     p.add_argument("--repeats", type=int, help="warm calls per timing, their median reported " + preset("repeats"))
     p.add_argument("--embedded", action="store_true", help="also run part 2 on the embedded pair")
-    p.add_argument("--embedded-batches", type=_ints, help="part 2 batch sizes " + preset("embedded_batches"))
+    p.add_argument("--embedded-batches", type=int_list, help="part 2 batch sizes " + preset("embedded_batches"))
     p.add_argument("--embedded-budgets", type=_budgets, help="part 2 DDTree node budgets " + preset("embedded_budgets"))
     p.add_argument("--new-tokens", type=int, help="tokens per request in part 2 " + preset("new_tokens"))
     p.add_argument("--draft-vocab", type=int, default=0,
