@@ -42,8 +42,8 @@ import numpy as np  # noqa: E402
 
 from ddtree_jax import engine  # noqa: E402
 from ddtree_jax.experiments import bench  # noqa: E402
+from ddtree_jax.experiments.flags import int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
-from experiments.common import parse_ints  # noqa: E402
 from pallas_kernels import configs, split_k, tree_attention  # noqa: E402
 
 
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--budgets", default="16", help="comma-separated DDTree budgets, each a round beside AR's")
+    ap.add_argument("--budgets", type=int_list, default=[16],
+                    help="comma-separated DDTree budgets, each a round beside AR's")
     ap.add_argument("--topk-cap", type=int, default=4)
     ap.add_argument("--variants", default="shipped,splits_4,splits_16",
                     help="comma-separated, of shipped, by_capacity, by_length, weights_first, chunk_<C>, programs_<P>, "
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     if not names or len(set(names)) != len(names):
         raise ValueError(f"--variants must name distinct variants, got {args.variants!r}")
     parsed = [(name, *parse_variant(name)) for name in names]
-    budgets = parse_ints("budgets", args.budgets)
+    budgets = args.budgets
     for name, value in (("context", args.context), ("repeats", args.repeats)):
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")

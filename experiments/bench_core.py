@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from ddtree_jax.experiments.flags import int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.sampling import coins_from_keys, request_keys  # noqa: E402
 from ddtree_jax.tree import build_tree_unchecked, tree_attention_mask, tree_positions  # noqa: E402
@@ -44,25 +45,25 @@ def sample(tree, logits, key, temperature, top_p):
     return verify_from_coins(tree, logits, coins, final, t, jnp.zeros((batch,), jnp.int32), jnp.full((batch,), top_p))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--depth", type=int, default=15)
-    ap.add_argument("--budgets", default="16,64,256,1024")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--budgets", type=int_list, default=[16, 64, 256, 1024])
+    ap.add_argument("--batches", type=int_list, default=[1, 8, 32])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default="experiments/results/bench_core.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, jax {jax.__version__}")
     rows = []
     meta = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind, jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d"), command=command_line())
     key = jax.random.key(0)
     print(f"{'batch':>5} {'B':>5} {'build ms':>9} {'verify ms':>10} {'greedy ms':>10}")
-    for batch in map(int, args.batches.split(",")):
+    for batch in args.batches:
         draft = jax.random.normal(key, (batch, args.depth, args.vocab), jnp.float32) * 3
         roots = jnp.zeros((batch,), jnp.int32)
-        for budget in map(int, args.budgets.split(",")):
+        for budget in args.budgets:
             tree = build(draft, roots, budget=budget)[0]
             logits = jax.random.normal(key, (batch, budget + 1, args.vocab), jnp.bfloat16) * 3
             row = dict(batch=batch, budget=budget, vocab=args.vocab, depth=args.depth,

@@ -44,6 +44,7 @@ import numpy as np
 from ddtree_jax import kernels
 from ddtree_jax.experiments import profiling
 from ddtree_jax.experiments.bench import interleaved_ms
+from ddtree_jax.experiments.flags import int_list, name_list
 from ddtree_jax.tree import build_tree, tree_positions
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels import configs
@@ -68,6 +69,7 @@ _SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_sta
 # tile); T2_p0.99: kept sets beyond the capacity (streamed in the walk).
 SAMPLING_PARAMS = {"T1": (1.0, 0, 1.0), "T0.7_k50_p0.9": (0.7, 50, 0.9), "T2.5_p0.9": (2.5, 0, 0.9),
                    "T1_k1000": (1.0, 1000, 1.0), "T2_p0.99": (2.0, 0, 0.99)}
+ATTENTION_IMPLS = ("pallas", "mosaic", "xla", "dpa")
 _FUSED_FIELDS = ("block_v", "num_warps", "num_stages", "stats_blocks", "parallel_rows", "capacity")
 
 
@@ -387,10 +389,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="+", choices=("attention", "sweep", "sampling"))
     parser.add_argument("--out", default="experiments/results")
-    parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--nodes", default="16,64,256")
-    parser.add_argument("--contexts", default="1024,4096,16384,32768,65536")
-    parser.add_argument("--sweep-contexts", default="16384")
+    parser.add_argument("--batches", type=int_list, default=[1, 16])
+    parser.add_argument("--nodes", type=int_list, default=[16, 64, 256])
+    parser.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384, 32768, 65536])
+    parser.add_argument("--sweep-contexts", type=int_list, default=[16384])
     parser.add_argument("--capacity", type=int, default=0,
                         help="attention, sweep: cache slots per request, at least context + nodes (0: exactly "
                              "that); the engine's cache holds the prompt and every new token, so a decoding "
@@ -403,10 +405,10 @@ def main(argv=None):
     parser.add_argument("--sampling-cases", default="64:1,64:8,64:64,256:1,256:16,1024:1,1024:4",
                         help="budget:batch pairs")
     parser.add_argument("--vocab", type=int, default=VOCAB)
-    parser.add_argument("--impls", default="pallas,xla",
+    parser.add_argument("--impls", type=name_list(ATTENTION_IMPLS), default=["pallas", "xla"],
                         help="attention implementations to time: pallas (Triton kernel), mosaic "
                              "(Mosaic GPU kernel, Hopper), xla, dpa (jax.nn.dot_product_attention)")
-    parser.add_argument("--sampling-params", default=",".join(SAMPLING_PARAMS),
+    parser.add_argument("--sampling-params", type=name_list(SAMPLING_PARAMS), default=list(SAMPLING_PARAMS),
                         help=f"sampling parameter sets, from {list(SAMPLING_PARAMS)}")
     parser.add_argument("--fused-configs", default="32768:8:1",
                         help="fused sampler configs block_v:num_warps:num_stages[:stats_blocks[:parallel_rows"
@@ -430,7 +432,6 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="per part, stop starting new shapes this many seconds after compiling")
     args = parser.parse_args(argv)
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     device = jax.devices()[0]
     info = dict(python=platform.python_version(), jax=jax.__version__, device=device.device_kind,
                 capability=configs.device_capability(), config=str(configs.tree_attention_config()))
@@ -443,15 +444,15 @@ def main(argv=None):
         report = lambda records, path=path: path.write_text(  # noqa: E731
             json.dumps(dict(info=info, records=records), indent=1))
         if part == "sampling":
-            cases = [(int(b), int(n), pname) for pname in args.sampling_params.split(",")
+            cases = [(int(b), int(n), pname) for pname in args.sampling_params
                      for b, n in (c.split(":") for c in args.sampling_cases.split(","))]
             fused = [fused_config(c) for c in args.fused_configs.split(",")]
             baseline = load_baseline(args.baseline_module) if args.baseline_module else None
             bench_sampling(cases, fused, vocab=args.vocab, peak_gbs=args.peak_gbs, budget_s=args.budget_s,
                            report=report, profile=args.profile, baseline=baseline, repeats=args.repeats)
             continue
-        contexts = ints(args.contexts if part == "attention" else args.sweep_contexts)
-        shapes = [(b, n, c, max(args.capacity, c + n)) for b in ints(args.batches) for n in ints(args.nodes)
+        contexts = args.contexts if part == "attention" else args.sweep_contexts
+        shapes = [(b, n, c, max(args.capacity, c + n)) for b in args.batches for n in args.nodes
                   for c in contexts]
         if part == "attention":
             available = {
@@ -459,10 +460,7 @@ def main(argv=None):
                 "mosaic": functools.partial(tree_attention_mgpu, scale=scale),
                 "xla": functools.partial(tree_attention_reference, scale=scale),
                 "dpa": functools.partial(dot_product_attention, scale=scale)}
-            unknown = set(args.impls.split(",")) - available.keys()
-            if unknown:
-                raise SystemExit(f"--impls: unknown {sorted(unknown)}; choose from {list(available)}")
-            impls = {name: available[name] for name in args.impls.split(",")}
+            impls = {name: available[name] for name in args.impls}
         else:
             xla = functools.partial(tree_attention_reference, scale=scale)
             impls = {name: xla if name == "xla" else functools.partial(

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.experiments.flags import int_list, name_list
 from ddtree_jax.experiments.provenance import command_line
 from pallas_kernels import configs
 from pallas_kernels.matmul import matmul
@@ -106,8 +107,9 @@ def compile_all(jobs, copies):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="1,16,64", help="comma-separated row counts M")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--rows", type=int_list, default=[1, 16, 64], help="comma-separated row counts M")
+    p.add_argument("--shapes", type=name_list(SHAPES), default=list(SHAPES),
+                   help=f"comma-separated projections, from: {', '.join(SHAPES)}")
     p.add_argument("--sweep", action="store_true", help="also time a grid of configs (rows <= --sweep-rows)")
     p.add_argument("--sweep-rows", type=int, default=16)
     p.add_argument("--copies", type=int, default=4)
@@ -122,9 +124,9 @@ def main(argv=None) -> int:
     result = dict(meta=dict(device=device, capability=capability, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                             command=command_line(), policy=dataclasses.asdict(policy)), rows=[])
     groups = {}
-    for name in args.shapes.split(","):
+    for name in args.shapes:
         k, n, gated, *_ = SHAPES[name]
-        for m in (int(r) for r in args.rows.split(",")):
+        for m in args.rows:
             impls = {"xla": None, "kernel": configs.matmul_config(policy, m, k, n, gated)}
             if args.sweep and m <= args.sweep_rows:
                 impls.update(sweep_configs(policy, m, k, n, gated))

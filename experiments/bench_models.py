@@ -32,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from ddtree_jax import kernels  # noqa: E402
 from ddtree_jax.experiments import profiling  # noqa: E402
 from ddtree_jax.experiments.bench import SHAPES, make_models, median_ms, streamed_bytes  # noqa: E402
+from ddtree_jax.experiments.flags import int_list, int_list_or_empty, name_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.models import KVCache, drafter_forward, init_cache, target_forward  # noqa: E402
 
@@ -82,12 +84,14 @@ def drafter_runner(target, drafter, batch, context, impl, options, attention="au
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b")
-    ap.add_argument("--matmul-impls", default="xla,pallas")
-    ap.add_argument("--attention-impls", default="auto", help="comma-separated: auto, xla, pallas")
-    ap.add_argument("--batches", default="1")
-    ap.add_argument("--contexts", default="1024")
-    ap.add_argument("--nodes", default="16,64")
-    ap.add_argument("--variants", default="default",
+    ap.add_argument("--matmul-impls", type=name_list(kernels.IMPLS), default=["xla", "pallas"])
+    ap.add_argument("--attention-impls", type=name_list(kernels.IMPLS), default=["auto"],
+                    help=f"comma-separated, from: {', '.join(kernels.IMPLS)}")
+    ap.add_argument("--batches", type=int_list, default=[1])
+    ap.add_argument("--contexts", type=int_list, default=[1024])
+    ap.add_argument("--nodes", type=int_list_or_empty, default=[16, 64],
+                    help="query rows of the verify forwards besides the decode step (\"\": none)")
+    ap.add_argument("--variants", type=name_list(VARIANTS), default=["default"],
                     help=f"comma-separated names of XLA option sets, from: {', '.join(VARIANTS)}")
     ap.add_argument("--profile", action="store_true", help="sum the device ops of each forward by kind")
     ap.add_argument("--profile-ops", type=int, default=15, help="ops listed per profile, the longest first")
@@ -104,20 +108,17 @@ def main(argv=None):
     roofline_ms = 1e3 * streamed_bytes(target) / (args.hbm_tbps * 1e12)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; weights streamed "
           f"{streamed_bytes(target) / 1e9:.2f} GB, roofline {roofline_ms:.2f} ms", flush=True)
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
-    variants = [(VARIANTS[v] or None, v) for v in args.variants.split(",")]
+    variants = [(VARIANTS[v] or None, v) for v in args.variants]
     jobs = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        for context in (int(c) for c in args.contexts.split(",")):
-            for impl, attention in itertools.product(args.matmul_impls.split(","), args.attention_impls.split(",")):
+    for batch in args.batches:
+        for context in args.contexts:
+            for impl, attention in itertools.product(args.matmul_impls, args.attention_impls):
                 for options, variant in variants:
                     key = dict(batch=batch, context=context, matmul_impl=impl, attention_impl=attention,
                                variant=variant)
                     jobs += [(dict(key, forward=f"verify N={n}" if n > 1 else "decode", nodes=n),
                               target_runner(target, batch, context, n, impl, options, attention))
-                             for n in [1] + [int(n) for n in args.nodes.split(",") if n]]
+                             for n in [1] + args.nodes]
                     jobs.append((dict(key, forward="drafter", nodes=0),
                                  drafter_runner(target, drafter, batch, context, impl, options, attention)))
     start = time.perf_counter()

@@ -45,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ddtree_jax.experiments import bench  # noqa: E402
+from ddtree_jax.experiments.flags import int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.models import (  # noqa: E402
     KVCache,
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
                    default="qwen3-30b-a3b")
     p.add_argument("--batch", type=int, default=1, help="requests per step")
     p.add_argument("--context", type=int, default=1024, help="committed cache slots per request")
-    p.add_argument("--budgets", type=bench.int_list, default=[16, 64, 256],
+    p.add_argument("--budgets", type=int_list, default=[16, 64, 256],
                    help="DDTree node budgets of the verify rows")
     p.add_argument("--depth", type=int, default=15, help="drafted depths L of the random draft logits")
     p.add_argument("--attention-impl", choices=["auto", "xla", "pallas"], default="auto")

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from ddtree_jax import engine, sharding
 from ddtree_jax.experiments import bench  # noqa: E402
+from ddtree_jax.experiments.flags import int_list, name_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 
 
@@ -94,18 +95,15 @@ def bench_latency(target, drafter, tp, args) -> list[dict]:
     return rows
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="qwen3-8b,qwen3-32b",
+    ap.add_argument("--shapes", type=name_list(bench.SHAPES), default=["qwen3-8b", "qwen3-32b"],
                     help="comma-separated names of ddtree_jax.experiments.bench.SHAPES")
-    ap.add_argument("--no-tp1", default="qwen3-32b", help="shapes whose token check skips tp = 1")
-    ap.add_argument("--tps", type=_ints, default=[1, 2, 4, 8], help="tp sizes of the latency table")
-    ap.add_argument("--check-tps", type=_ints, default=[1, 8], help="tp sizes whose greedy tokens must agree")
-    ap.add_argument("--budgets", type=_ints, default=[64, 256], help="DDTree budgets of the latency table")
+    ap.add_argument("--no-tp1", type=name_list(bench.SHAPES, empty=True), default=["qwen3-32b"],
+                    help="shapes whose token check skips tp = 1 (\"\": none)")
+    ap.add_argument("--tps", type=int_list, default=[1, 2, 4, 8], help="tp sizes of the latency table")
+    ap.add_argument("--check-tps", type=int_list, default=[1, 8], help="tp sizes whose greedy tokens must agree")
+    ap.add_argument("--budgets", type=int_list, default=[64, 256], help="DDTree budgets of the latency table")
     ap.add_argument("--budget-check", type=int, default=64, help="DDTree budget of the token check")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024, help="committed context of the latency table")
@@ -127,16 +125,16 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(result, indent=1))
 
     print(f"{len(devices)} x {devices[0].device_kind}, jax {jax.__version__}", flush=True)
-    for name in args.shapes.split(","):
+    for name in args.shapes:
         target, drafter = bench.make_models(name)
         entry = result["shapes"][name] = dict(latency=[])
-        check_tps = [tp for tp in args.check_tps if not (tp == 1 and name in args.no_tp1.split(","))]
+        check_tps = [tp for tp in args.check_tps if not (tp == 1 and name in args.no_tp1)]
         entry["tokens"] = check_tokens(target, drafter, check_tps, args)
         save()
         print(f"{name}: greedy DDTree tokens identical across tp {check_tps}: {entry['tokens']['identical']}",
               flush=True)
         for tp in args.tps:
-            if tp == 1 and name in args.no_tp1.split(","):
+            if tp == 1 and name in args.no_tp1:
                 continue
             for row in bench_latency(target, drafter, tp, args):
                 entry["latency"].append(row)

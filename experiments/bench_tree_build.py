@@ -50,6 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 from ddtree_jax import kernels, selection  # noqa: E402
 from ddtree_jax.experiments import profiling  # noqa: E402
 from ddtree_jax.experiments.bench import checksum, loop_ms  # noqa: E402
+from ddtree_jax.experiments.flags import int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.tree import (  # noqa: E402
     draft_log_probs,
@@ -59,7 +60,7 @@ from ddtree_jax.tree import (  # noqa: E402
     tree_from_top_k,
     tree_positions,
 )
-from experiments.common import median_ms, parse_ints  # noqa: E402
+from experiments.common import median_ms  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig, kernel_supports, tree_build_config, tree_nodes  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
@@ -195,8 +196,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--depth", type=int, default=15)
-    ap.add_argument("--budgets", default="16,64,512")
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--budgets", type=int_list, default=[16, 64, 512])
+    ap.add_argument("--batches", type=int_list, default=[1, 8])
     ap.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the trees (0 = none)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--kernel-variants", default="",
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)
-    budgets, batches = parse_ints("budgets", args.budgets), parse_ints("batches", args.batches)
+    budgets, batches = args.budgets, args.batches
     kernel_variants = [v for v in args.kernel_variants.split(",") if v]
     for name in kernel_variants:
         try:

@@ -56,6 +56,7 @@ import numpy as np
 
 from ddtree_jax import kernels, tree
 from ddtree_jax.experiments.bench import SHAPES
+from ddtree_jax.experiments.flags import name_list
 from ddtree_jax.models import KVCache, Qwen3Config, init_target, target_forward
 from ddtree_jax.verify import verify_from_coins
 from experiments.bench_kernels import compare_results, fused_sampler, sampling_inputs
@@ -417,6 +418,7 @@ def _check_attention_backend(record, args, scale, ref, backend):
     return _run_case(record, check)
 
 
+BACKENDS = ("triton", "triton_by_length", "mosaic")
 PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope", "rope_write", "kv_write",
          "tree_build")
 
@@ -424,16 +426,12 @@ PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results")
-    parser.add_argument("--backends", default="triton",
-                        help="comma-separated tree-attention backends to check: triton, triton_by_length, mosaic")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--backends", type=name_list(BACKENDS), default=["triton"],
+                        help=f"comma-separated tree-attention backends to check, of {', '.join(BACKENDS)}")
+    parser.add_argument("--parts", type=name_list(PARTS), default=list(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)}")
     args = parser.parse_args(argv)
-    backends = tuple(args.backends.split(","))
-    if not set(backends) <= {"triton", "triton_by_length", "mosaic"}:
-        raise ValueError(f"--backends must list triton, triton_by_length and/or mosaic, got {args.backends!r}")
-    parts = args.parts.split(",")
-    if not set(parts) <= set(PARTS):
-        raise ValueError(f"--parts must list some of {PARTS}, got {args.parts!r}")
+    backends, parts = tuple(args.backends), args.parts
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul,
                   matmul_auto=functools.partial(check_matmul, impl="auto"), forward_auto=check_forward, rope=check_rope,

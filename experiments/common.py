@@ -199,17 +199,6 @@ def train_loop(params, opt_state, step_fn, next_batch, schedule: Schedule, evalu
                       steps=step, seconds=seconds, kept_step=kept_step, capped=step < schedule.steps)
 
 
-def parse_ints(flag: str, text: str) -> list[int]:
-    """``"16,64"`` -> ``[16, 64]``: a comma-separated list of ints >= 1; ``ValueError`` naming ``--flag``."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ValueError(f"--{flag} must be a comma-separated list of ints >= 1, got {text!r}")
-    return values
-
-
 def cast_floats(tree, dtype):
     """Every floating leaf of `tree` cast to `dtype` (bf16 compute copies of fp32 master weights)."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

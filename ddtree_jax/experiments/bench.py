@@ -67,6 +67,7 @@ import numpy as np
 from ddtree_jax import checks, costs, engine, kernels, sharding
 from ddtree_jax.draft_vocab import with_frequent_tokens
 from ddtree_jax.experiments import profiling
+from ddtree_jax.experiments.flags import int_list
 from ddtree_jax.experiments.provenance import command_line
 from ddtree_jax.models import (
     DFlashConfig, KVCache, Qwen3Config, Qwen3MoeConfig, commit, drafter_forward, init_cache, init_drafter, init_target,
@@ -584,15 +585,6 @@ def write_cost_table(result: dict, out: Path) -> Path | None:
     path.write_text(json.dumps(cost_table(result).to_json(), indent=1) + "\n")
     print(f"wrote {path} (the device's round-time model, ddtree_jax.costs)")
     return path
-
-
-def int_list(text: str, maximum: int | None = None) -> list[int]:
-    """An argparse type: ``"1,8"`` -> ``[1, 8]``, ints >= 1 (and <= ``maximum`` if given)."""
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1 or (maximum is not None and max(values) > maximum):
-        bound = ">= 1" if maximum is None else f"in [1, {maximum}]"
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers {bound}, got {text!r}")
-    return values
 
 
 def _budgets(text: str) -> list[int]:
