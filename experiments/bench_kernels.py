@@ -170,6 +170,16 @@ def error_text(err) -> str:
     return f"{type(err).__name__}: {str(err)[:300]}"
 
 
+def timed_or_errors(runs: dict, repeats: int, row: dict) -> dict[str, list[float]]:
+    """`interleaved_ms` of ``runs``; if a call fails (an OOM at run time is a result, not a crash), ``{}``
+    and each run's error recorded in ``row``."""
+    try:
+        return interleaved_ms(runs, repeats)
+    except Exception as err:  # noqa: BLE001
+        row.update({name: dict(error=error_text(err)) for name in runs})
+        return {}
+
+
 def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8, repeats=5):
     """Time each implementation on each shape: ``repeats`` rounds of one ``chain`` of dependent
     calls per implementation in turn (``interleaved_ms``); per call = median round / ``chain``.
@@ -189,11 +199,7 @@ def bench_attention(shapes, impls, *, peak_gbs, budget_s, report, chain=8, repea
                 row[name] = dict(error=error_text(exe))
             else:
                 runs[name] = functools.partial(exe, *args)
-        try:
-            times = interleaved_ms(runs, repeats)
-        except Exception as err:  # noqa: BLE001 (an OOM at run time is a result)
-            times = {}
-            row.update({name: dict(error=error_text(err)) for name in runs})
+        times = timed_or_errors(runs, repeats, row)
         for name, rounds in times.items():
             seconds = float(np.median(rounds)) / 1e3 / chain
             row[name] = dict(ms=seconds * 1e3, gbs=nbytes / seconds / 1e9,
@@ -301,11 +307,7 @@ def bench_sampling(cases, fused_configs, *, vocab, peak_gbs, budget_s, report, p
                     runs[name] = functools.partial(exe, *args)
                 except Exception as err:  # noqa: BLE001
                     row[name] = dict(error=error_text(err))
-            try:
-                times = interleaved_ms(runs, repeats)
-            except Exception as err:  # noqa: BLE001 (an OOM at run time is a result)
-                times = {}
-                row.update({name: dict(error=error_text(err)) for name in runs})
+            times = timed_or_errors(runs, repeats, row)
             for name, rounds in times.items():
                 seconds = float(np.median(rounds)) / 1e3
                 row[name] = dict(ms=seconds * 1e3, frac_of_verify_floor=seconds / floor_s, rounds_ms=rounds)
