@@ -183,8 +183,9 @@ def _drafter_tensors(drafter: Drafter) -> dict:
 
 def load_target(path, dtype=None) -> Target:
     """Load a Qwen3 target, or a Qwen3-MoE one (``model_type: qwen3_moe``; per-expert or fused
-    expert tensors, see the module docstring), from an HF directory. ``dtype=None`` keeps the
-    stored dtype."""
+    expert tensors, see the module docstring), from an HF directory. ``dtype``: float32, float16 or
+    bfloat16; ``None`` keeps the stored dtype."""
+    dtype = _compute_dtype(dtype)
     config = _read_config(path, _TargetConfig)
     fused = bool(config.sparse_layers) and any(
         name.endswith(_FUSED_EXPERTS) for names in _weight_files(path).values() for name in names)
@@ -195,7 +196,9 @@ def load_target(path, dtype=None) -> Target:
 
 
 def load_drafter(path, dtype=None) -> Drafter:
-    """Load a DFlash drafter from an HF directory. ``dtype=None`` keeps the stored dtype."""
+    """Load a DFlash drafter from an HF directory. ``dtype``: float32, float16 or bfloat16; ``None`` keeps
+    the stored dtype."""
+    dtype = _compute_dtype(dtype)
     config = _read_config(path, DFlashConfig)
     get, stored = _open_checked(path, _drafter_hf_shapes(config), {})
     return Drafter(config=config, params=_as_jax(_drafter_params(config, get), dtype or stored))
@@ -297,6 +300,20 @@ def _open_checked(path, expected, optional):
             return f.get_tensor(name)
 
     return get, jnp.result_type(*dtypes)
+
+
+def _compute_dtype(dtype):
+    """``None`` or one of the checkpoint dtypes (`_DTYPE_NAMES`), else a ``ValueError`` naming it: an integer
+    dtype would round the weights, a float64 one is float32 in JAX unless x64 is on."""
+    if dtype is None:
+        return None
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES.values())} or None, got {dtype!r}") from None
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES.values())} or None, got {dtype}")
+    return dtype
 
 
 def _as_jax(params, dtype):

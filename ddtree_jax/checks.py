@@ -22,10 +22,15 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def as_array(x):
+    """``x`` itself if it is an array (NumPy, JAX or a tracer), else ``np.asarray(x)`` (nested lists of
+    numbers): what the checks read shapes and dtypes of, and what a jitted function can take."""
+    return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+
+
 def array(name: str, x, *, ndim: int, kind: str) -> jax.Array | np.ndarray:
     """Check rank and dtype kind (``"int"`` or ``"float"``) of an array argument."""
-    if not hasattr(x, "shape"):
-        x = np.asarray(x)
+    x = as_array(x)
     if x.ndim != ndim:
         raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(x.shape)}")
     if kind == "int" and not jnp.issubdtype(x.dtype, jnp.integer):
@@ -66,6 +71,8 @@ def per_request(name: str, value, batch: int, dtype) -> jax.Array:
         raise ValueError(f"{name} must be a scalar or have shape ({batch},), got shape {shape}")
     if is_concrete(value):
         host = np.asarray(value)
+        if host.dtype.kind not in "biuf":
+            raise ValueError(f"{name} must be a number or numbers, got {value!r}")
         if jnp.issubdtype(dtype, jnp.integer) and not np.all(np.equal(np.mod(host, 1), 0)):
             raise ValueError(f"{name} must hold integers, got {host.tolist()}")
     return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
@@ -152,6 +159,32 @@ def random_key(name: str, key) -> None:
     if not (typed or raw):
         got = f"an array of shape {tuple(key.shape)} and dtype {key.dtype}" if hasattr(key, "shape") else repr(key)
         raise ValueError(f"{name} must be one jax.random key such as jax.random.key(0), got {got}")
+
+
+def callback(name: str, fn) -> None:
+    """Raise unless ``fn`` is ``None`` or callable."""
+    if fn is not None and not callable(fn):
+        raise ValueError(f"{name} must be a function or None, got {fn!r}")
+
+
+def boolean(name: str, value) -> bool:
+    """``value`` if it is a bool (NumPy's included), else a ``ValueError``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def int_ids(name: str, values, *, low: int, high: int) -> np.ndarray:
+    """A sequence or 1-D array of integers in ``[low, high)`` as an int64 ``np.ndarray`` (``[]`` allowed);
+    a ``ValueError`` naming ``name`` for a string, a scalar, non-integers or an id out of range."""
+    if isinstance(values, (str, bytes)) or np.ndim(values) != 1:
+        raise ValueError(f"{name} must be a sequence of integers, got {values!r}")
+    host = np.asarray(values)
+    if host.size and host.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got {host.tolist()[:8]}")
+    host = host.astype(np.int64)
+    _bad(name, host, (host >= low) & (host < high), f"integers in [{low}, {high})")
+    return host
 
 
 def flags(args, rules) -> None:

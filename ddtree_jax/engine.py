@@ -492,8 +492,9 @@ def generate(
       temperature, top_k, top_p: scalars or ``[batch]``; ``temperature = 0`` is greedy.
       key: ``jax.random`` key (default ``key(0)``); request b draws from
         ``fold_in(fold_in(key, request_ids[b]), round)``.
-      stop_tokens: generation of a request ends after it emits one of these.
-      request_ids: int ``[batch]``, default ``arange(batch)``.
+      stop_tokens: token ids (a sequence, possibly empty); generation of a request ends after it emits one
+        of these.
+      request_ids: int ``[batch]`` in ``[0, 2**31)``, default ``arange(batch)``.
       max_len: KV cache slots per request (default: just enough).
       with_expected: compute the exact expected acceptance per round (costs a full target law per node).
       attention_impl: ``"auto" | "xla" | "pallas" | "interpret"``: the Pallas tree-attention kernel on a
@@ -533,6 +534,9 @@ def generate(
     """
     checks.prompt_batch("prompt_ids", prompt_ids)
     checks.random_key("key", key)
+    checks.callback("on_round", on_round)
+    checks.callback("on_compile", on_compile)
+    with_expected = checks.boolean("with_expected", with_expected)
     spec = make_spec(target, drafter, method, budget, topk_cap, attention_impl, sampler_impl, matmul_impl,
                      budget_policy, build_impl)
     max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
@@ -545,14 +549,17 @@ def generate(
         cost_ms = table.round_costs(batch, prompt_BT.shape[1] + max_new_tokens, spec.budget)
         spec = dataclasses.replace(spec, cost_ms=cost_ms)
     t, k, p = checks.sampling_params(temperature, top_k, top_p, batch)
-    request_ids = jnp.arange(batch, dtype=jnp.int32) if request_ids is None else jnp.asarray(request_ids, jnp.int32)
+    if request_ids is None:
+        request_ids = jnp.arange(batch, dtype=jnp.int32)
+    else:  # request_ids[b] picks request b's random stream: non-negative int32s
+        request_ids = jnp.asarray(checks.int_ids("request_ids", request_ids, low=0, high=2**31), jnp.int32)
     checks.same_leading("request_ids", request_ids, (batch,))
-    stop = np.asarray(list(stop_tokens) or [-2], np.int32)
-    checks.token_range("stop_tokens", stop[stop != -2], target.config.vocab_size)
+    stop = checks.int_ids("stop_tokens", stop_tokens, low=0, high=target.config.vocab_size)
+    stop = np.asarray(stop if stop.size else [-2], np.int32)
     needed = int(prompt_BT.shape[1]) + max_new_tokens + spec.depth + spec.num_nodes + 1
     if max_len is None:
         max_len = needed
-    elif max_len < needed:
+    elif checks.positive_int("max_len", max_len) < needed:
         raise ValueError(f"max_len={max_len} is too small: prompts of up to {prompt_BT.shape[1]} tokens plus "
                          f"max_new_tokens={max_new_tokens} and a tree of {spec.num_nodes} nodes need {needed} slots")
     last_position = int(prompt_BT.shape[1]) + max_new_tokens + spec.depth

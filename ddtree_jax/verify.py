@@ -321,7 +321,7 @@ def verify(
         ``fold_in(fold_in(key, request_ids[b]), round_index)``, so its result does not depend on the
         rest of the batch.
       temperature, top_k, top_p: scalars or ``[batch]`` (``temperature = 0`` is greedy).
-      request_ids: int ``[batch]`` (default ``arange(batch)``); round_index: int.
+      request_ids: int ``[batch]`` in ``[0, 2**31)`` (default ``arange(batch)``); round_index: int.
 
     Checks: shapes and parameter ranges always; finite logits when concrete (the walk would
     otherwise turn NaN into arbitrary tokens).
@@ -334,6 +334,8 @@ def verify(
         request_ids = jnp.arange(batch, dtype=jnp.int32)
     request_ids = checks.array("request_ids", request_ids, ndim=1, kind="int")
     checks.same_leading("request_ids", request_ids, (batch,))
+    if checks.is_concrete(request_ids):
+        checks.int_ids("request_ids", request_ids, low=0, high=2**31)
     checks.finite("target_logits", target_logits)
     return _verify(tree, target_logits, key, request_ids, jnp.int32(round_index), t, k, p)
 

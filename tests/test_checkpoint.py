@@ -97,6 +97,14 @@ def test_bad_target_checkpoints_name_the_tensor(tmp_path, change, message):
         load_target(tmp_path)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int32, "float64", "fp8"])
+def test_a_load_dtype_other_than_the_checkpoint_dtypes_is_refused(tmp_path, dtype):
+    save_target(tmp_path, tiny_target())
+    with pytest.raises(ValueError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32'\] or None"):
+        load_target(tmp_path, dtype)
+    assert load_target(tmp_path, "float16").params.embed.dtype == jnp.float16
+
+
 def test_bad_drafter_checkpoints_and_directories(tmp_path):
     save_drafter(tmp_path / "d", tiny_drafter())
     corrupt(tmp_path / "d", lambda t: t.update({"fc.weight": np.zeros((16, 16), np.float32)}))

@@ -77,3 +77,26 @@ def test_generate_wants_one_random_key(target, key, message):
 def test_random_key_accepts_typed_and_raw_keys():
     for key in (None, jax.random.key(3), jax.random.PRNGKey(3)):
         checks.random_key("key", key)
+
+
+def test_int_ids_reads_sequences_of_integers_in_range():
+    assert checks.int_ids("ids", (3, 0), low=0, high=4).tolist() == [3, 0]
+    assert checks.int_ids("ids", np.array([], np.int32), low=0, high=4).tolist() == []
+    assert checks.int_ids("ids", [], low=0, high=4).tolist() == []
+    for bad, message in [(3, "be a sequence of integers, got 3"), ("ab", "be a sequence of integers"),
+                         ([[1]], "be a sequence of integers"), ([1.0], "hold integers"), ([True], "hold integers"),
+                         ([4], r"be integers in \[0, 4\), got \[4\]"), ([-1, 2], r"be integers .* got \[-1\]")]:
+        with pytest.raises(ValueError, match="ids must " + message):
+            checks.int_ids("ids", bad, low=0, high=4)
+
+
+def test_boolean_callback_and_as_array():
+    assert checks.boolean("flag", np.bool_(True)) is True
+    with pytest.raises(ValueError, match="flag must be True or False, got 1"):
+        checks.boolean("flag", 1)
+    checks.callback("fn", None)
+    checks.callback("fn", print)
+    with pytest.raises(ValueError, match="fn must be a function or None"):
+        checks.callback("fn", "print")
+    x = jnp.zeros(2)
+    assert checks.as_array(x) is x and checks.as_array([[1, 2]]).shape == (1, 2)

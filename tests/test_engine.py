@@ -283,7 +283,18 @@ def test_streamed_tokens_are_the_returned_tokens_and_stop_at_max_new_tokens():
         (dict(max_len=8), "max_len"),
         (dict(max_new_tokens=10**6), "max_position_embeddings"),
         (dict(stop_tokens=[50]), "stop_tokens"),
+        (dict(stop_tokens=5), "stop_tokens must be a sequence of integers"),
+        (dict(stop_tokens="ab"), "stop_tokens must be a sequence of integers"),
+        (dict(stop_tokens=[1.5]), "stop_tokens must hold integers"),
         (dict(chunk_rounds=0), "chunk_rounds"),
+        (dict(max_len=64.5), "max_len must be an integer"),
+        (dict(request_ids=[-1]), r"request_ids must be integers in \[0, 2147483648\)"),
+        (dict(request_ids=[2**40]), "request_ids must be integers"),
+        (dict(request_ids=[0.5]), "request_ids must hold integers"),
+        (dict(temperature="hot"), "temperature must be a number"),
+        (dict(top_k="a"), "top_k must be a number"),
+        (dict(on_round=5), "on_round must be a function or None"),
+        (dict(with_expected="no"), "with_expected must be True or False"),
     ],
 )
 def test_bad_input_gets_a_clear_error(kwargs, message):
@@ -295,6 +306,12 @@ def test_bad_input_gets_a_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(target, drafter, args.pop("prompt_ids"), **args, on_compile=lambda: compiled.append(1))
     assert compiled == []
+
+
+def test_on_compile_must_be_callable():
+    target, drafter = tiny_pair(vocab=8)
+    with pytest.raises(ValueError, match="on_compile must be a function or None, got 'yes'"):
+        generate(target, drafter, [[1, 2, 3]], budget=4, max_new_tokens=4, on_compile="yes")
 
 
 def test_ddtree_needs_a_matching_drafter():

@@ -211,6 +211,14 @@ def test_attention_kernel_reads_the_stacked_cache_in_place():
     assert all(shapes.count(cache.k.shape) == 2 for shapes in writes), writes
 
 
+def test_token_ids_may_be_nested_lists():
+    target = small_target()
+    ids = [[1, 2, 3], [4, 5, 6]]
+    np.testing.assert_array_equal(target_logits(target, ids), target_logits(target, jnp.asarray(ids, jnp.int32)))
+    with pytest.raises(ValueError, match="tokens_BN must be an integer array"):
+        target_logits(target, [[1.0, 2.0]])
+
+
 def test_forward_under_jit_and_bf16_close_to_fp32():
     target = small_target()
     ids = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, (2, 6)), jnp.int32)

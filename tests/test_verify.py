@@ -192,6 +192,8 @@ def test_bad_data_is_reported():
         verify(tree, nan_logits, key=jax.random.key(0), temperature=1.0)
     with pytest.raises(ValueError, match="target_logits"):
         verify(tree, logits[:, :3], key=jax.random.key(0), temperature=1.0)
+    with pytest.raises(ValueError, match=r"request_ids must be integers in \[0, 2147483648\), got \[-1\]"):
+        verify(tree, logits, key=jax.random.key(0), temperature=1.0, request_ids=np.array([0, 1, 2, -1]))
     fcns = compile_retrieve(tree)
     cand = np.asarray(tree.tokens).copy()
     probs = oracle.target_probs(logits, 1.0, 0, 1.0)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import kernels
+from ddtree_jax import checks, kernels
 from ddtree_jax.models import layers as L
 from ddtree_jax.models.cache import KVCache, check_cache_shape
 from ddtree_jax.models.params import DrafterParams, Model
@@ -289,6 +289,7 @@ def drafter_logits(drafter: Drafter, target: Target, token_ids_BT):
     """
     cfg = drafter.config
     check_pair(drafter, target)
+    token_ids_BT = checks.as_array(token_ids_BT)
     _, taps_BTF = target_forward_nocache(target, token_ids_BT, tap_layers=cfg.target_layer_ids)
     batch, num = np.shape(token_ids_BT)
     block_tokens_BQ = _block_tokens(cfg, jnp.asarray(token_ids_BT)[:, -1])

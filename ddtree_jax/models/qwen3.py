@@ -253,11 +253,13 @@ def target_forward_nocache(target: Target, tokens_BN, positions_BN=None, mask_BN
     Defaults: ``positions = arange(N)``, causal mask. Returns ``(logits_BNV float32, taps_BNF)``
     with the same meaning as `target_forward`.
     """
+    tokens_BN = checks.as_array(tokens_BN)
     batch, num = _batch_and_length(tokens_BN)
     if positions_BN is None:
         positions_BN = jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
     if mask_BNN is None:
         mask_BNN = jnp.broadcast_to(jnp.tril(jnp.ones((num, num), bool)), (batch, num, num))
+    positions_BN, mask_BNN = checks.as_array(positions_BN), checks.as_array(mask_BNN)
     tap_layers = _check_taps(target.config, tap_layers)
     _check_tokens(target.config, tokens_BN, positions_BN, mask_BNN)
     return _target_forward_nocache(target, tokens_BN, positions_BN, mask_BNN, tap_layers)
