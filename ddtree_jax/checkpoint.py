@@ -210,12 +210,14 @@ def save_target(path, target: Target, *, max_shard_bytes=None) -> None:
 
     With ``max_shard_bytes``, tensors are split over several files with an index json.
     """
+    _check_model("target", target, (Qwen3Config, Qwen3MoeConfig))
     _save(path, target.config.to_hf(), _target_tensors(target), max_shard_bytes)
 
 
 def save_drafter(path, drafter: Drafter, *, max_shard_bytes=None) -> None:
     """Write ``drafter`` as a DFlash HF directory (names without the ``model.`` prefix). A draft
     vocabulary (`dflash.with_draft_vocab`) is a setting of inference, not a weight: ``ValueError``."""
+    _check_model("drafter", drafter, (DFlashConfig,))
     if drafter.params.draft_ids is not None:
         raise ValueError("the drafter has a draft vocabulary (with_draft_vocab), which a DFlash checkpoint does not "
                          "hold: save the drafter without it (with_draft_vocab(drafter, target, None))")
@@ -300,6 +302,13 @@ def _open_checked(path, expected, optional):
             return f.get_tensor(name)
 
     return get, jnp.result_type(*dtypes)
+
+
+def _check_model(name, model, configs) -> None:
+    """``ValueError`` unless ``model`` is a model whose config is one of ``configs``."""
+    if not isinstance(getattr(model, "config", None), configs):
+        raise ValueError(f"{name} must be a model with a {' or '.join(c.__name__ for c in configs)}, got "
+                         f"{type(model).__name__}")
 
 
 def _compute_dtype(dtype):

@@ -60,7 +60,11 @@ def positive_int(name: str, value, *, minimum: int = 1, maximum: int | None = No
 
 def draft_temperature(value) -> None:
     """Raise unless ``value`` is a finite scalar ``> 0`` (the drafter's temperature)."""
-    if not (np.ndim(value) == 0 and np.isfinite(value) and value > 0):
+    try:
+        ok = np.ndim(value) == 0 and bool(np.isfinite(value)) and value > 0
+    except TypeError:  # not a number
+        ok = False
+    if not ok:
         raise ValueError(f"draft_temperature must be a finite number > 0, got {value!r}")
 
 

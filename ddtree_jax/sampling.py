@@ -46,8 +46,9 @@ def target_probs(
 
     Checks: shapes and parameter ranges always; finite logits when concrete.
     """
-    if not hasattr(logits, "shape") or logits.ndim not in (2, 3):
-        raise ValueError(f"logits must have rank 2 or 3, got shape {getattr(logits, 'shape', None)}")
+    logits = checks.as_array(logits)
+    if logits.ndim not in (2, 3):
+        raise ValueError(f"logits must have rank 2 or 3, got shape {logits.shape}")
     logits = checks.array("logits", logits, ndim=logits.ndim, kind="float")
     t, k, p = checks.sampling_params(temperature, top_k, top_p, logits.shape[0])
     checks.finite("logits", logits)

@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ddtree_jax import checks, selection
@@ -250,9 +251,20 @@ def _first_child_next_sibling(parents_N: Int[Array, " N"]) -> tuple[Array, Array
     return next_token, next_sibling
 
 
-@jax.jit
+def check_tree(tree) -> None:
+    """``ValueError`` unless ``tree`` is a `DraftTree` (its fields may be traced)."""
+    if not isinstance(tree, DraftTree):
+        raise ValueError(f"tree must be a DraftTree (build_tree), got {type(tree).__name__}")
+
+
 def compile_retrieve(tree: DraftTree) -> Retrieve:
     """First-child/next-sibling encoding of ``tree`` (int32 ``[batch, N]`` arrays, ``-1`` = none)."""
+    check_tree(tree)
+    return _compile_retrieve(tree)
+
+
+@jax.jit
+def _compile_retrieve(tree: DraftTree) -> Retrieve:
     batch, n = tree.parents.shape
     next_token, next_sibling = jax.vmap(_first_child_next_sibling)(tree.parents)
     index = jnp.arange(batch * n, dtype=jnp.int32).reshape(batch, n)
@@ -272,18 +284,30 @@ def ancestor_ids(parents_BN: Int[Array, "B N"], max_depth: int) -> Int[Array, "B
     return jnp.stack(chain, axis=-1)
 
 
-@jax.jit
 def tree_attention_mask(tree: DraftTree) -> Bool[Array, "B N N"]:
     """``mask[b, i, j]``: node ``i`` attends to node ``j`` iff ``j`` is ``i`` or an ancestor of ``i``.
 
     Padding nodes attend only to themselves; real nodes never attend to padding.
     """
+    check_tree(tree)
+    return _tree_attention_mask(tree)
+
+
+@jax.jit
+def _tree_attention_mask(tree: DraftTree) -> Bool[Array, "B N N"]:
     ids_BNA = ancestor_ids(tree.parents, tree.max_depth)
     n = tree.parents.shape[1]
     return jnp.any(ids_BNA[:, :, :, None] == jnp.arange(n)[None, None, None, :], axis=2)
 
 
 def tree_positions(tree: DraftTree, prefix_len: Int[Array, " B"]) -> Int[Array, "B N"]:
-    """Absolute positions ``prefix_len + depth`` (the root sits at ``prefix_len``)."""
-    prefix_len = jnp.asarray(prefix_len, jnp.int32)
-    return prefix_len[:, None] + tree.depths
+    """Absolute positions ``prefix_len + depth`` (the root sits at ``prefix_len``): int32 ``[batch, N]``.
+
+    ``prefix_len``: int ``[batch]``, each request's committed length (checked ``>= 0`` when concrete).
+    """
+    check_tree(tree)
+    prefix_len = checks.array("prefix_len", prefix_len, ndim=1, kind="int")
+    checks.same_leading("prefix_len", prefix_len, tree.depths.shape[:1])
+    if checks.is_concrete(prefix_len) and np.any(np.asarray(prefix_len) < 0):
+        raise ValueError(f"prefix_len must be >= 0, got {np.asarray(prefix_len).tolist()}")
+    return jnp.asarray(prefix_len, jnp.int32)[:, None] + tree.depths

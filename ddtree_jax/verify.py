@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from ddtree_jax import checks
 from ddtree_jax.sampling import coins_from_keys, request_keys
-from ddtree_jax.tree import DraftTree, ancestor_ids
+from ddtree_jax.tree import DraftTree, ancestor_ids, check_tree
 from pallas_kernels.tree_sampling import reference
 
 
@@ -162,12 +162,14 @@ def _check_request_links(b: int, next_token_N: np.ndarray, next_sibling_N: np.nd
             todo.append(j)
 
 
-def _check_fcns(candidates, next_token, next_sibling) -> None:
-    """Concrete-input checks of the low-level samplers' tree arguments: links in range or ``-1``,
-    no cycle, no node reached twice from node 0, distinct tokens among siblings."""
+def _check_fcns(candidates, next_token, next_sibling) -> tuple:
+    """The low-level samplers' link arguments ``(next_token, next_sibling)`` as arrays, checked: rank,
+    dtype and shape always; when concrete, links in range or ``-1``, no cycle, no node reached twice from
+    node 0, distinct tokens among siblings."""
     n = candidates.shape[1]
+    next_token = checks.array("next_token", next_token, ndim=2, kind="int")
+    next_sibling = checks.array("next_sibling", next_sibling, ndim=2, kind="int")
     for name, x in (("next_token", next_token), ("next_sibling", next_sibling)):
-        checks.array(name, x, ndim=2, kind="int")
         checks.same_leading(name, x, candidates.shape)
         if checks.is_concrete(x):
             host = np.asarray(x)
@@ -177,7 +179,7 @@ def _check_fcns(candidates, next_token, next_sibling) -> None:
                 raise ValueError(f"{name} links must be -1 or a node index < {n}: {name}[{b}, {k}] = {host[b, k]} "
                                  f"(request {b}, node {k})")
     if not (checks.is_concrete(next_token) and checks.is_concrete(next_sibling)):
-        return
+        return next_token, next_sibling
     links = np.concatenate([np.asarray(next_token), np.asarray(next_sibling)], axis=1)
     _, first = np.unique(links, axis=0, return_index=True)  # each distinct encoding once
     for b in np.sort(first):
@@ -191,6 +193,7 @@ def _check_fcns(candidates, next_token, next_sibling) -> None:
                 raise ValueError(
                     f"candidates: node {p} of request {b} has duplicate child tokens {toks.tolist()}"
                 )
+    return next_token, next_sibling
 
 
 @functools.partial(jax.jit, static_argnames="max_depth")
@@ -226,8 +229,8 @@ def tree_rejection_sample(
       max_depth: at most this many drafts are accepted.
 
     Checks: shapes, dtypes and ``max_depth`` always; when concrete, the links (above; the error
-    names the request and node), coin range, token ids ``< V``, finite probabilities and distinct
-    sibling tokens.
+    names the request and node), coin range, token ids ``< V``, every row of ``probs`` a distribution
+    (finite, in ``[0, 1]``, summing to 1) and distinct sibling tokens.
     """
     candidates = checks.array("candidates", candidates, ndim=2, kind="int")
     probs = checks.array("probs", probs, ndim=3, kind="float")
@@ -237,9 +240,9 @@ def tree_rejection_sample(
     checks.same_leading("coins", coins, candidates.shape)
     checks.same_leading("final_coins", final_coins, candidates.shape[:1])
     max_depth = checks.positive_int("max_depth", max_depth, minimum=0)
-    _check_fcns(candidates, next_token, next_sibling)
+    next_token, next_sibling = _check_fcns(candidates, next_token, next_sibling)
     checks.token_range("candidates", candidates, probs.shape[2])
-    checks.finite("probs", probs)
+    checks.distributions("probs", probs)
     for name, c in (("coins", coins), ("final_coins", final_coins)):
         if checks.is_concrete(c) and not bool(jnp.all((c > 0) & (c <= 1))):
             raise ValueError(f"{name} must lie in (0, 1]")
@@ -272,7 +275,9 @@ def tree_greedy_verify(
     target_argmax = checks.array("target_argmax", target_argmax, ndim=2, kind="int")
     checks.same_leading("target_argmax", target_argmax, candidates.shape)
     max_depth = checks.positive_int("max_depth", max_depth, minimum=0)
-    _check_fcns(candidates, next_token, next_sibling)
+    next_token, next_sibling = _check_fcns(candidates, next_token, next_sibling)
+    if checks.is_concrete(target_argmax) and np.any(np.asarray(target_argmax) < 0):
+        raise ValueError(f"target_argmax must hold token ids >= 0, got {int(np.asarray(target_argmax).min())}")
     return _greedy_verify(candidates, next_token, next_sibling, target_argmax, max_depth=max_depth)
 
 
@@ -326,6 +331,13 @@ def verify(
     Checks: shapes and parameter ranges always; finite logits when concrete (the walk would
     otherwise turn NaN into arbitrary tokens).
     """
+    check_tree(tree)
+    if key is None:
+        raise ValueError("key must be a jax.random key such as jax.random.key(0), got None")
+    checks.random_key("key", key)
+    index = np.asarray(round_index) if checks.is_concrete(round_index) else None
+    if index is not None and not (index.ndim == 0 and index.dtype.kind in "iu" and index >= 0):
+        raise ValueError(f"round_index must be an integer >= 0, got {round_index!r}")
     target_logits = checks.array("target_logits", target_logits, ndim=3, kind="float")
     checks.same_leading("target_logits", target_logits, tree.tokens.shape)
     batch = target_logits.shape[0]
@@ -370,8 +382,7 @@ def expected_acceptance(tree: DraftTree, probs: Float[Array, "B N V"]) -> Float[
     Checks: ``probs`` is float ``[batch, N, V]`` matching the tree; when concrete, the tree's tokens
     lie in ``[0, V)`` and every row of ``probs`` is a distribution (finite, in ``[0, 1]``, summing to 1).
     """
-    if not isinstance(tree, DraftTree):
-        raise ValueError(f"tree must be a DraftTree, got {type(tree).__name__}")
+    check_tree(tree)
     probs = checks.array("probs", probs, ndim=3, kind="float")
     checks.same_leading("probs", probs, tree.tokens.shape)
     checks.token_range("tree.tokens", tree.tokens, probs.shape[2])

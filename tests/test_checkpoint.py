@@ -105,6 +105,13 @@ def test_a_load_dtype_other_than_the_checkpoint_dtypes_is_refused(tmp_path, dtyp
     assert load_target(tmp_path, "float16").params.embed.dtype == jnp.float16
 
 
+def test_saving_something_else_than_a_model_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="target must be a model with a Qwen3Config or Qwen3MoeConfig, got dict"):
+        save_target(tmp_path, {"config": None})
+    with pytest.raises(ValueError, match="drafter must be a model with a DFlashConfig, got Model"):
+        save_drafter(tmp_path, tiny_target())
+
+
 def test_bad_drafter_checkpoints_and_directories(tmp_path):
     save_drafter(tmp_path / "d", tiny_drafter())
     corrupt(tmp_path / "d", lambda t: t.update({"fc.weight": np.zeros((16, 16), np.float32)}))

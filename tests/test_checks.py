@@ -38,7 +38,7 @@ def test_expected_acceptance_accepts_a_law_eagerly_and_under_jit(case):
     (lambda t, p: (t, np.full_like(p, np.nan)), "probs contains non-finite values"),
     (lambda t, p: (t, p - 0.5), r"probs must be probabilities in \[0, 1\]"),
     (lambda t, p: (t, p / 2), "every row of probs must be a distribution summing to 1"),
-    (lambda t, p: (t.tokens, p), "tree must be a DraftTree, got ArrayImpl"),
+    (lambda t, p: (t.tokens, p), r"tree must be a DraftTree \(build_tree\), got ArrayImpl"),
 ])
 def test_expected_acceptance_names_bad_input(case, change, message):
     with pytest.raises(ValueError, match=message):

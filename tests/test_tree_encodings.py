@@ -229,3 +229,17 @@ def test_cycles_among_unreached_nodes_are_invalid_and_other_links_there_ignored(
     for sample in (tree_rejection_sample, oracle.tree_rejection_sample):
         with pytest.raises(ValueError, match=r"request 0 form a cycle through node [45]\b"):
             sample(candidates, next_token, next_sibling, ones, ones[:, 0], probs, max_depth=2)
+
+
+def test_encodings_name_a_bad_tree_or_prefix():
+    from ddtree_jax.tree import build_tree, compile_retrieve, tree_attention_mask, tree_positions
+
+    tree = build_tree(np.zeros((2, 3, 5), np.float32), np.array([1, 2]), budget=4)
+    for fn in (compile_retrieve, tree_attention_mask, lambda t: tree_positions(t, np.array([0, 0]))):
+        with pytest.raises(ValueError, match=r"tree must be a DraftTree \(build_tree\), got str"):
+            fn("tree")
+    assert np.asarray(tree_positions(tree, [3, 4]))[:, 0].tolist() == [3, 4]
+    for prefix, message in [([-1, 4], r"prefix_len must be >= 0, got \[-1, 4\]"), ([3], "prefix_len has shape"),
+                            ([3.0, 4.0], "prefix_len must have an integer dtype")]:
+        with pytest.raises(ValueError, match=message):
+            tree_positions(tree, prefix)

@@ -212,3 +212,31 @@ def test_bad_data_is_reported():
         bad = np.asarray(fcns.next_sibling).copy()
         bad[0, 2] = 1
         tree_greedy_verify(np.asarray(tree.tokens), fcns.next_token, bad, ones.astype(np.int32), max_depth=3)
+    with pytest.raises(ValueError, match="every row of probs must be a distribution"):
+        tree_rejection_sample(np.asarray(tree.tokens), fcns.next_token, fcns.next_sibling, ones, ones[:, 0],
+                              probs * 0.5, max_depth=3)
+    with pytest.raises(ValueError, match="target_argmax must hold token ids >= 0, got -1"):
+        tree_greedy_verify(np.asarray(tree.tokens), fcns.next_token, fcns.next_sibling, -ones.astype(np.int32),
+                           max_depth=3)
+
+
+def test_verify_names_a_bad_tree_key_or_round():
+    tree, logits = random_case(0, 2, 3, 9, 8, None, 1.0)
+    for kwargs, message in [(dict(key=None), "key must be a jax.random key"), (dict(key=3), "key must be one jax"),
+                            (dict(round_index=-1), "round_index must be an integer >= 0, got -1"),
+                            (dict(round_index=1.5), "round_index must be an integer >= 0, got 1.5")]:
+        with pytest.raises(ValueError, match=message):
+            verify(tree, logits, **{"key": jax.random.key(0), **kwargs}, temperature=1.0)
+    with pytest.raises(ValueError, match=r"tree must be a DraftTree \(build_tree\), got tuple"):
+        verify(tuple(tree.tokens), logits, key=jax.random.key(0), temperature=1.0)
+
+
+def test_low_level_samplers_take_nested_lists():
+    tree, _ = random_case(1, 2, 3, 9, 8, None, 1.0)
+    fcns = compile_retrieve(tree)
+    argmax = np.asarray(tree.tokens)
+    want = tree_greedy_verify(tree.tokens, fcns.next_token, fcns.next_sibling, argmax, max_depth=3)
+    lists = [np.asarray(x).tolist() for x in (tree.tokens, fcns.next_token, fcns.next_sibling, argmax)]
+    got = tree_greedy_verify(*lists, max_depth=3)
+    for field in FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
