@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from ddtree_jax import checks  # noqa: E402
 from ddtree_jax.assets import DRAFTER_DIR, TARGET_DIR  # noqa: E402
 from ddtree_jax.checkpoint import load_drafter, load_target  # noqa: E402
 from ddtree_jax.draft_vocab import with_frequent_tokens  # noqa: E402
@@ -43,8 +44,8 @@ def parse_methods(spec: str, default_cap: int = 0) -> list[tuple[str, str, int, 
     for item in spec.split(","):
         if item.startswith("ddtree"):
             budget, _, cap = item[len("ddtree"):].partition("cap")
-            if not budget.isdigit() or (cap and not cap.isdigit()):
-                raise ValueError(f"--methods: {item!r} is not ddtreeB or ddtreeBcapK")
+            if not budget.isdigit() or int(budget) < 1 or (cap and not cap.isdigit()):
+                raise ValueError(f"--methods: {item!r} is not ddtreeB or ddtreeBcapK (B >= 1)")
             out.append((item, "ddtree", int(budget), int(cap) if cap else default_cap))
         elif item in ("ar", "chain"):
             out.append((item, item, 1, 0))
@@ -53,18 +54,24 @@ def parse_methods(spec: str, default_cap: int = 0) -> list[tuple[str, str, int, 
     return out
 
 
-def parse_draft_temperatures(spec: str) -> list[float]:
-    """``"0.5,0.6"`` -> ``[0.5, 0.6]``; each must be a finite number > 0."""
+def parse_temperatures(spec: str, flag: str = "--temperatures", positive: bool = False) -> list[float]:
+    """``"0,1"`` -> ``[0.0, 1.0]``; each a finite number >= 0 (> 0 with ``positive``), else a
+    ``ValueError`` naming ``flag``."""
     out = []
     for item in spec.split(","):
         try:
             value = float(item)
         except ValueError:
             value = float("nan")
-        if not (np.isfinite(value) and value > 0):
-            raise ValueError(f"--draft-temperature: {item!r} is not a number > 0")
+        if not (np.isfinite(value) and (value > 0 if positive else value >= 0)):
+            raise ValueError(f"{flag}: {item!r} is not a number {'>' if positive else '>='} 0")
         out.append(value)
     return out
+
+
+def parse_draft_temperatures(spec: str) -> list[float]:
+    """``"0.5,0.6"`` -> ``[0.5, 0.6]``; each must be a finite number > 0."""
+    return parse_temperatures(spec, "--draft-temperature", positive=True)
 
 
 def parse_draft_vocabs(spec: str) -> list[int]:
@@ -145,15 +152,21 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=Path("experiments/results/acceptance"),
                     help="output path without suffix: .json, .csv and .png are written")
     args = ap.parse_args(argv)
-    draft_temperatures = parse_draft_temperatures(args.draft_temperature)
-    draft_vocabs = parse_draft_vocabs(args.draft_vocabs)
+    counts = ("prompts", "prompt_tokens", "new_tokens", "batch")
+    try:  # every flag before the models load: a bad one ends the script with argparse's one-line error
+        checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in counts]
+                     + [("topk_cap", lambda v: v >= 0, ">= 0 (0 = none)")])
+        methods, temperatures = parse_methods(args.methods, args.topk_cap), parse_temperatures(args.temperatures)
+        draft_temperatures = parse_draft_temperatures(args.draft_temperature)
+        draft_vocabs = parse_draft_vocabs(args.draft_vocabs)
+    except ValueError as e:
+        ap.error(str(e))
 
     dtype = jnp.dtype(args.dtype)
     target, drafter = load_target(args.target, dtype), load_drafter(args.drafter, dtype)
     tokenizer = Tokenizer.from_file(args.target / "tokenizer.json")
     prompts = corpus.heldout_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
-    cells = grid(parse_methods(args.methods, args.topk_cap), [float(t) for t in args.temperatures.split(",")],
-                 draft_temperatures, draft_vocabs)
+    cells = grid(methods, temperatures, draft_temperatures, draft_vocabs)
     drafters = {w: with_frequent_tokens(drafter, target, args.target, w) for w in draft_vocabs}
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                 python=sys.version.split()[0], command=" ".join(sys.argv))

@@ -254,12 +254,12 @@ def test_time_cap_stops_training_and_still_writes(tmp_path):
     assert load_target(tmp_path).config.hidden_size == train_target.TINY["hidden"]
 
 
-def test_eval_acceptance_methods():
+def test_eval_acceptance_methods(capsys):
     from experiments import eval_acceptance
 
     assert eval_acceptance.parse_methods("ar,chain,ddtree16,ddtree16cap4", default_cap=8) == [
         ("ar", "ar", 1, 0), ("chain", "chain", 1, 0), ("ddtree16", "ddtree", 16, 8), ("ddtree16cap4", "ddtree", 16, 4)]
-    for bad in ("ddtreex", "ddtree16capx", "tree"):
+    for bad in ("ddtreex", "ddtree16capx", "tree", "ddtree0"):
         with pytest.raises(ValueError, match="--methods"):
             eval_acceptance.parse_methods(bad)
     assert eval_acceptance.parse_draft_temperatures("0.5,1") == [0.5, 1.0]
@@ -272,6 +272,14 @@ def test_eval_acceptance_methods():
             ("ar", "ar", 1, 0.5), ("chain dt0.5", "chain", 1, 0.5), ("chain dt1", "chain", 1, 1.0),
             ("ddtree8 dt0.5", "ddtree", 8, 0.5), ("ddtree8 dt1", "ddtree", 8, 1.0))]
     assert [cell[0] for cell in eval_acceptance.grid(methods, [0.0], [0.6])] == ["ar", "chain", "ddtree8"]
+    assert eval_acceptance.parse_temperatures("0,1") == [0.0, 1.0]
+    for bad in ("-1", "a", "0,,1", "inf"):
+        with pytest.raises(ValueError, match="--temperatures"):
+            eval_acceptance.parse_temperatures(bad)
+    for flag, value in (("--new-tokens", "0"), ("--temperatures", "1,-1"), ("--methods", "ddtree0")):
+        with pytest.raises(SystemExit):  # before the models load: no such directory is read
+            eval_acceptance.main([flag, value, "--target", "/nonexistent"])
+        assert flag in capsys.readouterr().err
     assert eval_acceptance.parse_draft_vocabs("0,2048") == [0, 2048]
     for bad in ("-1", "x", "1,,2"):
         with pytest.raises(ValueError, match="--draft-vocabs"):
