@@ -33,6 +33,7 @@ from ddtree_jax.checkpoint import load_drafter, load_target  # noqa: E402
 from ddtree_jax.draft_vocab import with_frequent_tokens  # noqa: E402
 from ddtree_jax.engine import generate  # noqa: E402
 from ddtree_jax.experiments import corpus  # noqa: E402
+from ddtree_jax.experiments.flags import float_list, int_list, positive_float_list  # noqa: E402
 from ddtree_jax.experiments.stats import bootstrap_ci, per_request_tau  # noqa: E402
 from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -54,34 +55,9 @@ def parse_methods(spec: str, default_cap: int = 0) -> list[tuple[str, str, int, 
     return out
 
 
-def parse_temperatures(spec: str, flag: str = "--temperatures", positive: bool = False) -> list[float]:
-    """``"0,1"`` -> ``[0.0, 1.0]``; each a finite number >= 0 (> 0 with ``positive``), else a
-    ``ValueError`` naming ``flag``."""
-    out = []
-    for item in spec.split(","):
-        try:
-            value = float(item)
-        except ValueError:
-            value = float("nan")
-        if not (np.isfinite(value) and (value > 0 if positive else value >= 0)):
-            raise ValueError(f"{flag}: {item!r} is not a number {'>' if positive else '>='} 0")
-        out.append(value)
-    return out
-
-
-def parse_draft_temperatures(spec: str) -> list[float]:
-    """``"0.5,0.6"`` -> ``[0.5, 0.6]``; each must be a finite number > 0."""
-    return parse_temperatures(spec, "--draft-temperature", positive=True)
-
-
-def parse_draft_vocabs(spec: str) -> list[int]:
+def draft_vocab_list(text: str) -> list[int]:
     """``"0,2048"`` -> ``[0, 2048]``: draft vocabulary sizes, ints >= 0 (0 = the whole vocabulary)."""
-    out = []
-    for item in spec.split(","):
-        if not item.isdigit():
-            raise ValueError(f"--draft-vocabs: {item!r} is not an int >= 0")
-        out.append(int(item))
-    return out
+    return int_list(text, minimum=0)
 
 
 def grid(methods, temperatures, draft_temperatures, draft_vocabs=(0,)) -> list[tuple]:
@@ -138,11 +114,12 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
     ap.add_argument("--methods", default="ar,chain,ddtree16,ddtree64,ddtree256",
                     help="comma-separated: ar, chain, ddtreeB, ddtreeBcapK (default: the five listed)")
-    ap.add_argument("--temperatures", default="0,1", help="comma-separated target temperatures (default: 0,1)")
-    ap.add_argument("--draft-temperature", default="1",
+    ap.add_argument("--temperatures", type=float_list, default=[0.0, 1.0],
+                    help="comma-separated target temperatures (default: 0,1)")
+    ap.add_argument("--draft-temperature", type=positive_float_list, default=[1.0],
                     help="temperature of the draft marginals the chain and DDTree draft from; a comma-separated "
                          "list runs every drafted cell at each, in one process (default: 1)")
-    ap.add_argument("--draft-vocabs", default="0",
+    ap.add_argument("--draft-vocabs", type=draft_vocab_list, default=[0],
                     help="comma-separated draft vocabulary sizes: the chain and DDTree draft from that many most "
                          "frequent tokens (counts: <target>/token_counts.npy); 0 = the whole vocabulary (default: 0)")
     ap.add_argument("--topk-cap", type=int, default=0, help="DDTree per-depth cap of ddtreeB methods; 0 = none")
@@ -156,9 +133,7 @@ def main(argv=None):
     try:  # every flag before the models load: a bad one ends the script with argparse's one-line error
         checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in counts]
                      + [("topk_cap", lambda v: v >= 0, ">= 0 (0 = none)")])
-        methods, temperatures = parse_methods(args.methods, args.topk_cap), parse_temperatures(args.temperatures)
-        draft_temperatures = parse_draft_temperatures(args.draft_temperature)
-        draft_vocabs = parse_draft_vocabs(args.draft_vocabs)
+        methods = parse_methods(args.methods, args.topk_cap)
     except ValueError as e:
         ap.error(str(e))
 
@@ -166,8 +141,8 @@ def main(argv=None):
     target, drafter = load_target(args.target, dtype), load_drafter(args.drafter, dtype)
     tokenizer = Tokenizer.from_file(args.target / "tokenizer.json")
     prompts = corpus.heldout_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
-    cells = grid(methods, temperatures, draft_temperatures, draft_vocabs)
-    drafters = {w: with_frequent_tokens(drafter, target, args.target, w) for w in draft_vocabs}
+    cells = grid(methods, args.temperatures, args.draft_temperature, args.draft_vocabs)
+    drafters = {w: with_frequent_tokens(drafter, target, args.target, w) for w in args.draft_vocabs}
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                 python=sys.version.split()[0], command=" ".join(sys.argv))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from ddtree_jax.checkpoint import load_target, save_drafter
 from ddtree_jax.experiments import corpus
+from ddtree_jax.experiments.flags import float_list, int_list
 from ddtree_jax.models.cache import commit, init_cache
 from ddtree_jax.models.dflash import (
     DFlashConfig,
@@ -56,6 +57,11 @@ from experiments import common
 TINY = {"layers": 1, "block_size": 4, "taps": "0,1", "seq_len": 32, "anchors": 4, "batch": 4, "steps": 8, "warmup": 2,
             "eval_every": 4, "eval_batches": 2, "max_files": 3, "log_every": 2, "gen_sequences": 8, "gen_batch": 4,
             "gen_prompt_len": 8}
+
+
+def layer_ids(text: str) -> list[int]:
+    """``"1,3,5"`` -> ``[1, 3, 5]``: target layer ids, ints >= 0."""
+    return int_list(text, minimum=0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,20 +81,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="loss = w * KL(target || drafter) + (1 - w) * cross-entropy of the sequence's token")
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--mlp", type=int, default=None, help="drafter MLP width (default: the target's)")
-    p.add_argument("--taps", default="1,3,5", help="comma-separated target layer ids")
+    p.add_argument("--taps", type=layer_ids, default="1,3,5", help="comma-separated target layer ids")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--gen-sequences", type=int, default=131072, help="--data generations: sequences to sample")
     p.add_argument("--gen-batch", type=int, default=2048)
     p.add_argument("--gen-prompt-len", type=int, default=64, help="corpus tokens that start each generation")
-    p.add_argument("--gen-temperatures", default="0,1", help="comma-separated; 0 = greedy")
+    p.add_argument("--gen-temperatures", type=float_list, default="0,1", help="comma-separated; 0 = greedy")
     common.add_training_arguments(p, eval_every=1000, eval_batches=4)
     args = common.parse_training_args(p, argv, TINY, ("steps", "batch", "anchors", "eval_every", "eval_batches",
                                                       "log_every", "gen_sequences", "gen_batch", "gen_prompt_len"))
-    args.taps = tuple(int(t) for t in str(args.taps).split(","))
-    args.gen_temperatures = tuple(float(t) for t in str(args.gen_temperatures).split(","))
-    if min(args.gen_temperatures) < 0:
-        raise ValueError(f"--gen-temperatures must be >= 0, got {args.gen_temperatures}")
+    args.taps, args.gen_temperatures = tuple(args.taps), tuple(args.gen_temperatures)
     if not 0 <= args.soft_weight <= 1:
         raise ValueError(f"--soft-weight must be in [0, 1], got {args.soft_weight}")
     if args.data == "generations" and not 0 < args.gen_prompt_len < args.seq_len:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_jax.experiments.flags import int_list, int_list_or_empty, name_list
+from ddtree_jax.experiments.flags import float_list, int_list, int_list_or_empty, name_list, positive_float_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -31,6 +31,18 @@ def test_int_list_bounds_and_empty():
     assert int_list_or_empty("") == [] and int_list_or_empty("2") == [2]
     with pytest.raises(argparse.ArgumentTypeError, match="or nothing"):
         int_list_or_empty("0")
+
+
+def test_float_lists_and_a_lower_bound_of_zero():
+    assert float_list("0,1.5") == [0.0, 1.5] and positive_float_list("0.5") == [0.5]
+    for text in ("", "a", "1,-1", "nan", "inf", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="finite numbers >= 0"):
+            float_list(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="finite numbers > 0"):
+        positive_float_list("1,0")
+    assert int_list("0,3", minimum=0) == [0, 3]
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 0, got '-1'"):
+        int_list("-1", minimum=0)
 
 
 def test_name_list_takes_names_of_its_choices_only():
@@ -62,6 +74,10 @@ BAD = [
     ("bench_moe", ["--budgets", "0"], "--budgets"),
     ("check_kernels", ["--parts", "attention,everything"], "--parts"),
     ("check_kernels", ["--backends", "cuda"], "--backends"),
+    ("eval_acceptance", ["--temperatures", "0,-1"], "--temperatures"),
+    ("eval_acceptance", ["--draft-vocabs", "-2"], "--draft-vocabs"),
+    ("train_drafter", ["--target", "t", "--out", "o", "--taps", "1,a"], "--taps"),
+    ("train_drafter", ["--target", "t", "--out", "o", "--gen-temperatures", "nan"], "--gen-temperatures"),
 ]
 
 

@@ -4,18 +4,20 @@ parsed, so that a bad value stops the command with a message naming its flag bef
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Iterable
 
 
-def int_list(text: str, maximum: int | None = None, *, empty: bool = False) -> list[int]:
-    """``"1,8"`` -> ``[1, 8]``: ints >= 1 (and <= ``maximum`` if given); ``""`` -> ``[]`` only with
-    ``empty``. Anything else is an ``argparse.ArgumentTypeError``."""
+def int_list(text: str, maximum: int | None = None, *, minimum: int = 1, empty: bool = False) -> list[int]:
+    """``"1,8"`` -> ``[1, 8]``: ints >= ``minimum`` (and <= ``maximum`` if given); ``""`` -> ``[]`` only
+    with ``empty``. Anything else is an ``argparse.ArgumentTypeError``."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         values = None
-    if values is None or not (values or empty) or any(v < 1 or (maximum is not None and v > maximum) for v in values):
-        bound = ">= 1" if maximum is None else f"in [1, {maximum}]"
+    if values is None or not (values or empty) or any(v < minimum or (maximum is not None and v > maximum)
+                                                      for v in values):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise argparse.ArgumentTypeError(f"expected comma-separated integers {bound}"
                                          f"{' (or nothing)' if empty else ''}, got {text!r}")
     return values
@@ -24,6 +26,24 @@ def int_list(text: str, maximum: int | None = None, *, empty: bool = False) -> l
 def int_list_or_empty(text: str) -> list[int]:
     """`int_list` that also takes ``""`` (``[]``: none of what the flag lists)."""
     return int_list(text, empty=True)
+
+
+def float_list(text: str, *, positive: bool = False) -> list[float]:
+    """``"0,1"`` -> ``[0.0, 1.0]``: finite numbers >= 0 (> 0 with ``positive``), at least one; anything
+    else is an ``argparse.ArgumentTypeError``."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = None
+    if not values or not all(math.isfinite(v) and (v > 0 if positive else v >= 0) for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated finite numbers {'>' if positive else '>='} 0, "
+                                         f"got {text!r}")
+    return values
+
+
+def positive_float_list(text: str) -> list[float]:
+    """`float_list` of numbers > 0."""
+    return float_list(text, positive=True)
 
 
 def name_list(choices: Iterable[str], *, empty: bool = False) -> Callable[[str], list[str]]:
