@@ -51,6 +51,49 @@ def test_summarize_by_part_looks_up_the_hlo_op_then_the_name():
     assert profiling.part_share({}, ("verify",)) is None
 
 
+def test_an_event_without_a_part_takes_the_part_of_the_event_before_it():
+    # a library kernel (cuBLAS's "nvjet_...") names no HLO op: it runs between its part's ops
+    events = [("S", "nvjet_a", 1_000_000, ""), ("S", "fusion_1", 2_000_000, ""), ("S", "nvjet_b", 4_000_000, ""),
+              ("S", "fusion_2", 1_000_000, ""), ("S", "nvjet_c", 8_000_000, ""), ("T", "nvjet_d", 1_000_000, "")]
+    summary = profiling.summarize(events, calls=1, parts={"fusion_1": "verify", "fusion_2": "sample"})
+    assert {p: v["ms_per_call"] for p, v in summary["S"]["parts"].items()} == pytest.approx(
+        {"verify": 6.0, "sample": 9.0, profiling.UNATTRIBUTED: 1.0})
+    assert summary["S"]["by_neighbour_ms"] == pytest.approx(12.0)
+    assert summary["T"]["parts"].keys() == {profiling.UNATTRIBUTED} and summary["T"]["by_neighbour_ms"] == 0
+    assert "(12.000 ms of it by the op before)" in profiling.format_summary(summary)
+
+
+def triton_call(name, operand, scope, config, root=False):
+    """One line of HLO text: a Pallas (Triton) custom call traced in ``scope``, backend config ``config``."""
+    return (f'  {"ROOT " if root else ""}%{name} = f32[4]{{0}} custom-call(%{operand}), '
+            f'custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="jit(round)/{scope}/pallas_call"}}, '
+            f'backend_config={config}')
+
+
+PALLAS_HLO = "\n".join([
+    "HloModule jit_round", "",
+    "%body (p: f32[4]) -> f32[4] {", "  %p = f32[4]{0} parameter(0)",
+    triton_call("custom-call.5", "p", "while/body/draft", '{ir = "x", name = "attend", num_warps = 4 : i32}', True),
+    "}", "",
+    "%cond (c: f32[4]) -> pred[] {", "  %c = f32[4]{0} parameter(0)", "  ROOT %constant.1 = pred[] constant(false)",
+    "}", "",
+    "ENTRY %main (x: f32[4]) -> f32[4] {", "  %x = f32[4]{0} parameter(0)",
+    triton_call("custom-call.1", "x", "build", '{ir = "y", name = "attend", num_warps = 4 : i32}'),
+    "  %while.1 = f32[4]{0} while(%custom-call.1), condition=%cond, body=%body",
+    triton_call("custom-call.7", "while.1", "verify", '{ir = "z", name = "attend", num_warps = 4 : i32}'),
+    triton_call("custom-call.8", "custom-call.7", "sample", '"{\\"ir\\":\\"w\\",\\"name\\":\\"walk\\"}"', True),
+    "}", ""])
+
+
+def test_pallas_launches_are_named_in_emission_order():
+    """XLA names the n-th launch of a Pallas kernel ``name__n``, in the order it emits them: the entry
+    computation's instructions in turn, a while loop's body where the loop stands."""
+    parts = profiling.scope_parts(PALLAS_HLO, ("build", "draft", "verify", "sample"))
+    assert (parts["attend"], parts["attend__1"], parts["attend__2"], parts["walk"]) == (
+        "build", "draft", "verify", "sample")
+    assert "walk__1" not in parts and "attend__3" not in parts
+
+
 @pytest.mark.parametrize("stats, op", [
     ([("hlo_op", "fusion.3"), ("hlo_module", "jit_f")], "fusion.3"),
     ([("correlation_id", 7), ("kernel_annotation", "XlaModule:#hlo_module=jit_f#::Thunk:#name=draft/dot,"

@@ -10,10 +10,12 @@ kernels, data movement and the rest. On the CPU there is no device plane and the
 A profile can also be summed by *part*: the named scope (``jax.named_scope``) each op was traced in,
 such as the steps of a decoding round (`ddtree_jax.engine.ROUND_PARTS`). `scope_parts` reads the
 compiled program's HLO text (each instruction's ``op_name`` metadata holds its scopes) into a table
-from instruction names, and from the kernel names XLA gives its fusions, to parts; each traced event
-is looked up by the HLO instruction it ran (`event_hlo_op`: the ``hlo_op`` the runtime records with
-it), else by its own name. Ops fused across a scope boundary count for the scope of the op their
-metadata names.
+from instruction names, and from the names of the kernels XLA launches for them (its fusions', and the
+Pallas kernels', which XLA numbers in launch order), to parts; each traced event is looked up by the HLO
+instruction it ran (`event_hlo_op`: the ``hlo_op`` the runtime records with it, where it does), else by
+its own name, else it takes the part of the event before it on its line (a library kernel such as
+cuBLAS's names neither: it runs between the ops of its own part). Ops fused across a scope boundary
+count for the scope of the op their metadata names.
 """
 
 from __future__ import annotations
@@ -58,24 +60,32 @@ def _kind_shares(kinds: collections.Counter, total: float) -> dict:
 
 def summarize(events, calls: int, top: int = 15, parts: Mapping[str, str] | None = None) -> dict:
     """Per line: ms per call, the share of each kind and the ``top`` ops by time; with ``parts``, also
-    ``parts``: ``{part: {ms_per_call, kind_share}}``, the longest first.
+    ``parts``: ``{part: {ms_per_call, kind_share}}``, the longest first, and ``by_neighbour_ms``: the ms
+    per call of the events that took their part from the event before them.
 
     Args:
-      events: ``(line, name, duration_ns, hlo_op)`` of ``calls`` traced calls (``hlo_op`` the HLO
-        instruction the event ran, ``""`` if unknown).
-      parts: a `scope_parts` table; an event whose ``hlo_op`` and name it lacks counts as
+      events: ``(line, name, duration_ns, hlo_op)`` of ``calls`` traced calls, each line's in time order
+        (``hlo_op`` the HLO instruction the event ran, ``""`` if unknown).
+      parts: a `scope_parts` table. An event whose ``hlo_op`` and name it lacks takes the part of the
+        last event before it on its line that had one; the events before any such count as
         `UNATTRIBUTED`.
     """
     _check_calls(calls)
     per_line = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
     per_part = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
+    last_part, by_neighbour = {}, collections.Counter()
     for line, name, duration_ns, hlo_op in events:
         entry = per_line[line][name]
         ms = duration_ns / 1e6 / calls
         entry[0] += ms
         entry[1] += 1
         if parts is not None:
-            part = parts.get(hlo_op) or parts.get(name) or UNATTRIBUTED
+            part = parts.get(hlo_op) or parts.get(name)
+            if part:
+                last_part[line] = part
+            else:
+                part = last_part.get(line, UNATTRIBUTED)
+                by_neighbour[line] += ms if part != UNATTRIBUTED else 0.0
             per_part[line][part][op_kind(name)] += ms
     summary = {}
     for line, ops in per_line.items():
@@ -93,6 +103,7 @@ def summarize(events, calls: int, top: int = 15, parts: Mapping[str, str] | None
             part_ms = {part: sum(k.values()) for part, k in per_part[line].items()}
             summary[line]["parts"] = {part: dict(ms_per_call=ms, kind_share=_kind_shares(per_part[line][part], ms))
                                       for part, ms in sorted(part_ms.items(), key=lambda item: -item[1])}
+            summary[line]["by_neighbour_ms"] = by_neighbour[line]
     return summary
 
 
@@ -114,11 +125,11 @@ def event_hlo_op(stats: Iterable[tuple[str, object]]) -> str:
 
 def device_events(profile_data, planes: str = "/device:"):
     """``(line, name, duration_ns, hlo_op)`` of every event on the planes of a trace whose names start
-    with ``planes`` (the devices'; ``hlo_op`` by `event_hlo_op`)."""
+    with ``planes`` (the devices'; ``hlo_op`` by `event_hlo_op`), each line's in time order."""
     for plane in profile_data.planes:
         if plane.name.startswith(planes):
             for line in plane.lines:
-                for event in line.events:
+                for event in sorted(line.events, key=lambda e: e.start_ns):
                     yield line.name, event.name, event.duration_ns, event_hlo_op(event.stats)
 
 
@@ -148,6 +159,10 @@ _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|ca
                      r"(\{[^}]*\}|%?[\w.\-]+)")
 _NAME = re.compile(r"%?([\w.\-]+)")
 _SOURCE = re.compile(r"\s(?:parameter|constant)\(")
+_TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'
+# The kernel name in a Pallas (Triton) custom call's backend config, ``name = "k"`` (escaped or not) or
+# JSON ``"name":"k"``; not ``op_name=``. The config's keys are sorted, so its ``name`` is the last match.
+_KERNEL_NAME = re.compile(r'(?<![\w])(?:name\s*=\s*\\?"|\\?"name\\?"\s*:\s*\\?")([A-Za-z_][\w.\-]*)')
 
 
 def kernel_name(instruction: str) -> str:
@@ -167,10 +182,12 @@ def scope_parts(hlo_text: str, parts: Iterable[str]) -> dict[str, str]:
     of the instruction's ``op_name`` that is a part (``jit(f)/while/body/draft/layer_0/dot_general`` ->
     ``draft``, ``jit(f)/verify/encode/iota`` -> ``encode``). An instruction without one (XLA adds copies
     and converts without metadata) takes the part most of the instructions it calls have (a fusion's
-    fused computation), else most of its operands', else most of its users'."""
+    fused computation), else most of its operands', else most of its users'. A Pallas kernel is also
+    found by the name its launch gets: XLA numbers the launches of each kernel name in the order it emits
+    them (``tree_attention``, ``tree_attention__1``, ...; `pallas_kernel_names`)."""
     parts = frozenset(parts)
     own, calls, operands, members = {}, {}, {}, collections.defaultdict(list)
-    computation = None
+    kernels, computation, entry = {}, None, None
     for line in hlo_text.splitlines():
         if instruction := _INSTRUCTION.match(line):
             name = instruction.group(1)
@@ -180,10 +197,13 @@ def scope_parts(hlo_text: str, parts: Iterable[str]) -> dict[str, str]:
             calls[name] = [n for group in _CALLED.findall(line) for n in _NAME.findall(group)]
             # parameters and constants run nothing: no part of their own to infer
             operands[name] = None if _SOURCE.search(line) else re.findall(r"%([\w.\-]+)", line[instruction.end():])
+            if _TRITON_CALL in line and (found := _KERNEL_NAME.findall(line)):
+                kernels[name] = found[-1]
             if computation is not None:
                 members[computation].append(name)
         elif header := _COMPUTATION.match(line):
             computation = header.group(1)
+            entry = computation if line.startswith("ENTRY") else entry
 
     def part_of(name, seen):
         if own.get(name):
@@ -202,7 +222,34 @@ def scope_parts(hlo_text: str, parts: Iterable[str]) -> dict[str, str]:
         if part:
             table[name] = part
             table.setdefault(kernel_name(name), part)
+    for launch, name in pallas_kernel_names(kernels, calls, members, entry).items():
+        if table.get(name):
+            table.setdefault(launch, table[name])
     return table
+
+
+def pallas_kernel_names(kernels: Mapping[str, str], calls: Mapping[str, list], members: Mapping[str, list],
+                        entry: str | None) -> dict[str, str]:
+    """``{launch name: instruction}`` for the Pallas custom calls ``kernels`` (``{instruction: kernel
+    name}``) of a program whose computations hold the instructions ``members`` and call ``calls``: the
+    instructions in the order XLA emits them, from the ``entry`` computation down through the computations
+    each instruction calls (a while loop's condition and body where the loop stands); the n-th launch of
+    a kernel name ``k`` is named ``k`` for n = 0, else ``k__n``."""
+    order, counts = {}, collections.Counter()
+
+    def visit(computation, path):
+        for name in members.get(computation, ()):
+            for called in calls.get(name, ()):
+                if called not in path:
+                    visit(called, path | {called})
+            if name in kernels:
+                base = kernels[name]
+                order[base if counts[base] == 0 else f"{base}__{counts[base]}"] = name
+                counts[base] += 1
+
+    if entry is not None:
+        visit(entry, frozenset({entry}))
+    return order
 
 
 def part_share(summary: dict, parts: Iterable[str]) -> float | None:
@@ -225,7 +272,7 @@ def format_summary(summary: dict, ops: int = 5) -> str:
         lines.append(f"    [{line}] {s['ms_per_call']:.2f} ms per call: {shares}")
         if "parts" in s:
             by_part = ", ".join(f"{part} {p['ms_per_call']:.3f}" for part, p in s["parts"].items())
-            lines.append(f"      by part: {by_part} ms")
+            lines.append(f"      by part: {by_part} ms ({s['by_neighbour_ms']:.3f} ms of it by the op before)")
         lines += [f"      {op['ms_per_call']:7.3f} ms  x{op['count_per_call']:<5g} {op['kind']:<22} {op['name'][:70]}"
                   for op in s["top_ops"][:ops]]
     return "\n".join(lines) if lines else "    (no device trace on this backend)"
