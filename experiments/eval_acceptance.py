@@ -33,7 +33,7 @@ from ddtree_jax.checkpoint import load_drafter, load_target  # noqa: E402
 from ddtree_jax.draft_vocab import with_frequent_tokens  # noqa: E402
 from ddtree_jax.engine import generate  # noqa: E402
 from ddtree_jax.experiments import corpus  # noqa: E402
-from ddtree_jax.experiments.flags import float_list, int_list, positive_float_list  # noqa: E402
+from ddtree_jax.experiments.flags import float_list, non_negative_int_list, positive_float_list  # noqa: E402
 from ddtree_jax.experiments.stats import bootstrap_ci, per_request_tau  # noqa: E402
 from ddtree_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -53,11 +53,6 @@ def parse_methods(spec: str, default_cap: int = 0) -> list[tuple[str, str, int, 
         else:
             raise ValueError(f"--methods: unknown method {item!r} (ar, chain, ddtreeB, ddtreeBcapK)")
     return out
-
-
-def draft_vocab_list(text: str) -> list[int]:
-    """``"0,2048"`` -> ``[0, 2048]``: draft vocabulary sizes, ints >= 0 (0 = the whole vocabulary)."""
-    return int_list(text, minimum=0)
 
 
 def grid(methods, temperatures, draft_temperatures, draft_vocabs=(0,)) -> list[tuple]:
@@ -119,7 +114,7 @@ def main(argv=None):
     ap.add_argument("--draft-temperature", type=positive_float_list, default=[1.0],
                     help="temperature of the draft marginals the chain and DDTree draft from; a comma-separated "
                          "list runs every drafted cell at each, in one process (default: 1)")
-    ap.add_argument("--draft-vocabs", type=draft_vocab_list, default=[0],
+    ap.add_argument("--draft-vocabs", type=non_negative_int_list, default=[0],
                     help="comma-separated draft vocabulary sizes: the chain and DDTree draft from that many most "
                          "frequent tokens (counts: <target>/token_counts.npy); 0 = the whole vocabulary (default: 0)")
     ap.add_argument("--topk-cap", type=int, default=0, help="DDTree per-depth cap of ddtreeB methods; 0 = none")

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from ddtree_jax.checkpoint import load_target, save_drafter
 from ddtree_jax.experiments import corpus
-from ddtree_jax.experiments.flags import float_list, int_list
+from ddtree_jax.experiments.flags import float_list, non_negative_int_list
 from ddtree_jax.models.cache import commit, init_cache
 from ddtree_jax.models.dflash import (
     DFlashConfig,
@@ -57,11 +57,6 @@ from experiments import common
 TINY = {"layers": 1, "block_size": 4, "taps": "0,1", "seq_len": 32, "anchors": 4, "batch": 4, "steps": 8, "warmup": 2,
             "eval_every": 4, "eval_batches": 2, "max_files": 3, "log_every": 2, "gen_sequences": 8, "gen_batch": 4,
             "gen_prompt_len": 8}
-
-
-def layer_ids(text: str) -> list[int]:
-    """``"1,3,5"`` -> ``[1, 3, 5]``: target layer ids, ints >= 0."""
-    return int_list(text, minimum=0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="loss = w * KL(target || drafter) + (1 - w) * cross-entropy of the sequence's token")
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--mlp", type=int, default=None, help="drafter MLP width (default: the target's)")
-    p.add_argument("--taps", type=layer_ids, default="1,3,5", help="comma-separated target layer ids")
+    p.add_argument("--taps", type=non_negative_int_list, default="1,3,5", help="comma-separated target layer ids")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--gen-sequences", type=int, default=131072, help="--data generations: sequences to sample")

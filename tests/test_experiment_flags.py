@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_jax.experiments.flags import float_list, int_list, int_list_or_empty, name_list, positive_float_list
+from ddtree_jax.experiments.flags import (
+    float_list,
+    int_list,
+    int_list_or_empty,
+    name_list,
+    non_negative_int_list,
+    positive_float_list,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,7 +47,7 @@ def test_float_lists_and_a_lower_bound_of_zero():
             float_list(text)
     with pytest.raises(argparse.ArgumentTypeError, match="finite numbers > 0"):
         positive_float_list("1,0")
-    assert int_list("0,3", minimum=0) == [0, 3]
+    assert int_list("0,3", minimum=0) == [0, 3] == non_negative_int_list("0,3")
     with pytest.raises(argparse.ArgumentTypeError, match=">= 0, got '-1'"):
         int_list("-1", minimum=0)
 

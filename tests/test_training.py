@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree_jax.assets import TOKENIZER_PATH
 from ddtree_jax.checkpoint import load_drafter, load_target
+from ddtree_jax.experiments.flags import non_negative_int_list
 from ddtree_jax.models.dflash import DFlashConfig, drafter_logits, init_drafter
 from ddtree_jax.models.qwen3 import Qwen3Config, init_target, target_logits
 from ddtree_jax.tokenizer import Tokenizer
@@ -274,7 +275,7 @@ def test_eval_acceptance_methods(capsys):
         with pytest.raises(SystemExit):  # before the models load: no such directory is read
             eval_acceptance.main([flag, value, "--target", "/nonexistent"])
         assert flag in capsys.readouterr().err
-    assert eval_acceptance.draft_vocab_list("0,2048") == [0, 2048]
+    assert non_negative_int_list("0,2048") == [0, 2048]  # eval_acceptance's --draft-vocabs
     assert [(cell[0], cell[-1]) for cell in eval_acceptance.grid(methods, [0.0], [0.6], [0, 512])] == [
         ("ar", 0), ("chain", 0), ("chain v512", 512), ("ddtree8", 0), ("ddtree8 v512", 512)]
 

@@ -28,6 +28,11 @@ def int_list_or_empty(text: str) -> list[int]:
     return int_list(text, empty=True)
 
 
+def non_negative_int_list(text: str) -> list[int]:
+    """`int_list` of ints >= 0 (sizes where 0 means none or all, ids counted from 0)."""
+    return int_list(text, minimum=0)
+
+
 def float_list(text: str, *, positive: bool = False) -> list[float]:
     """``"0,1"`` -> ``[0.0, 1.0]``: finite numbers >= 0 (> 0 with ``positive``), at least one; anything
     else is an ``argparse.ArgumentTypeError``."""
