@@ -83,9 +83,11 @@ def summarize(events, calls: int, top: int = 15, parts: Mapping[str, str] | None
             part = parts.get(hlo_op) or parts.get(name)
             if part:
                 last_part[line] = part
+            elif line in last_part:
+                part = last_part[line]
+                by_neighbour[line] += ms
             else:
-                part = last_part.get(line, UNATTRIBUTED)
-                by_neighbour[line] += ms if part != UNATTRIBUTED else 0.0
+                part = UNATTRIBUTED
             per_part[line][part][op_kind(name)] += ms
     summary = {}
     for line, ops in per_line.items():
