@@ -18,6 +18,7 @@ shapes, random weights, once per variant, and times them back to back, the varia
   chunk_<C>      the split policy's minimum chunk set to C slots (fewer splits to merge)
   programs_<P>   the split policy's minimum programs set to P (fewer splits to merge)
   splits_<S>     at most S splits (``max_splits``)
+  whole_waves    the split count lowered to the fewest waves of programs per unit of prefix
 
 Prints a table and writes JSON. Off a GPU the attention is XLA's and every variant is the same program.
 
@@ -57,7 +58,8 @@ def merge_weights_first(o_XJMD, m_XJM, l_XJM):
 
 
 FIXED_VARIANTS = {"shipped": (None, {}), "by_capacity": (None, dict(split_by_length=False)),
-                  "by_length": (None, dict(split_by_length=True)), "weights_first": ("weights_first", {})}
+                  "by_length": (None, dict(split_by_length=True)), "weights_first": ("weights_first", {}),
+                  "whole_waves": (None, dict(whole_waves=True))}
 NUMBERED_VARIANTS = {"chunk": "min_chunk", "programs": "min_programs", "splits": "max_splits"}
 
 
@@ -97,8 +99,8 @@ def main(argv=None) -> int:
                     help="comma-separated DDTree budgets, each a round beside AR's")
     ap.add_argument("--topk-cap", type=int, default=4)
     ap.add_argument("--variants", default="shipped,splits_4,splits_16",
-                    help="comma-separated, of shipped, by_capacity, by_length, weights_first, chunk_<C>, programs_<P>, "
-                         "splits_<S>")
+                    help="comma-separated, of shipped, by_capacity, by_length, weights_first, whole_waves, chunk_<C>, "
+                         "programs_<P>, splits_<S>")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
     args = ap.parse_args(argv)

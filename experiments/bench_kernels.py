@@ -63,7 +63,8 @@ QWEN3_8B_WEIGHT_BYTES = 16.4e9
 SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128k128w8s2",
                  "m64k64w4s3p528")
 _SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages",
-                 "p": "min_programs", "c": "min_chunk", "j": "max_splits", "l": "split_by_length"}
+                 "p": "min_programs", "c": "min_chunk", "j": "max_splits", "l": "split_by_length",
+                 "v": "whole_waves"}
 # (temperature, top_k, top_p). T2.5_p0.9: flat rows whose sub-block maxima confine no candidates (the
 # whole-GPU floor passes); T1_k1000: 256 < candidates <= capacity (the register search of a larger
 # tile); T2_p0.99: kept sets beyond the capacity (streamed in the walk).
@@ -355,11 +356,12 @@ def format_sampling_row(row, names):
 
 def sweep_config(text: str) -> TreeAttentionConfig:
     """``"m64k128w4s2c1024"`` -> that tiling; fields left out keep the local table entry's values."""
-    if re.fullmatch(r"(?:[mkwspcj]\d+|l[01])+", text) is None:
-        raise SystemExit(f"--sweep-configs: {text!r} is not like m64k64w4s3[p528][c1024][j8][l1]")
-    values = {_SWEEP_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspcjl])(\d+)", text)}
-    if "split_by_length" in values:
-        values["split_by_length"] = bool(values["split_by_length"])
+    if re.fullmatch(r"(?:[mkwspcj]\d+|[lv][01])+", text) is None:
+        raise SystemExit(f"--sweep-configs: {text!r} is not like m64k64w4s3[p528][c1024][j8][l1][v1]")
+    values = {_SWEEP_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspcjlv])(\d+)", text)}
+    for flag in ("split_by_length", "whole_waves"):
+        if flag in values:
+            values[flag] = bool(values[flag])
     return dataclasses.replace(configs.tree_attention_config(), **values)
 
 

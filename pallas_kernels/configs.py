@@ -67,6 +67,10 @@ class TreeAttentionConfig:
     ``max_splits``: no more splits than this (``None``: no bound). The merge reads every split's
     float32 partial output, empty or not, so at a short context many splits cost more in the merge
     than they save in the kernel.
+    ``whole_waves``: where the GPU's multiprocessor count is known, lower the split count to the one
+    that needs the fewest waves of programs per unit of prefix (see `split_k.split_count`): the tiles
+    of a full row block take most of a multiprocessor's shared memory, one program each, so 192
+    programs on 132 multiprocessors run in two waves, the second less than half full.
     ``smem_bytes``: shared memory a program may use; fewer stages are launched where the query
     block and ``num_stages`` K/V blocks would not fit (float32 operands at 128-row blocks).
     ``measured``: whether the entry was tuned on that hardware.
@@ -81,6 +85,7 @@ class TreeAttentionConfig:
     smem_bytes: int = 99 * 1024
     split_by_length: bool = False
     max_splits: int | None = None
+    whole_waves: bool = False
     measured: bool = False
 
     def __post_init__(self):
@@ -146,6 +151,13 @@ def device_capability() -> tuple[int, int]:
         return (0, 0)
     major, minor = str(capability).split(".")
     return int(major), int(minor)
+
+
+def device_multiprocessors() -> int | None:
+    """Streaming multiprocessors of the first local device; ``None`` off CUDA or where JAX does not say."""
+    device = jax.local_devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return count if isinstance(count, int) and count >= 1 else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,8 @@ chunks of the capacity (`split_count`), or equal chunks of a request's length (`
 
 from __future__ import annotations
 
+import fractions
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -18,13 +20,22 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def split_count(programs: int, num_slots: int, config: TreeAttentionConfig) -> int:
-    """Split-K factor: enough programs for ``config.min_programs``, chunks of at least
-    ``config.min_chunk`` slots, at most ``config.max_splits`` splits."""
+def split_count(programs: int, num_slots: int, config: TreeAttentionConfig,
+                multiprocessors: int | None = None) -> int:
+    """Split-K factor for a grid of ``programs`` without splits: enough programs for
+    ``config.min_programs``, chunks of at least ``config.min_chunk`` slots, at most
+    ``config.max_splits`` splits. With ``config.whole_waves`` and ``multiprocessors`` known, the count
+    ``s`` up to that one with the fewest waves per unit of prefix, ``ceil(programs * s /
+    multiprocessors) / s``; the largest such ``s`` on ties."""
     splits = min(-(-config.min_programs // programs), num_slots // config.min_chunk)
     if config.max_splits is not None:
         splits = min(splits, config.max_splits)
-    return max(1, splits)
+    splits = max(1, splits)
+    if config.whole_waves and multiprocessors is not None:
+        def waves_per_split(s):
+            return fractions.Fraction(-(-programs * s // multiprocessors), s)
+        splits = min(range(splits, 0, -1), key=waves_per_split)
+    return splits
 
 
 def blocks_per_split(blocks, num_splits: int):

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.configs import TreeAttentionConfig
+from pallas_kernels.configs import TreeAttentionConfig, device_multiprocessors
 from pallas_kernels.split_k import blocks_per_split, merge_splits, round_up, split_count
 from pallas_kernels.tree_attention_reference import check_shapes, stacked
 
@@ -90,11 +90,12 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(n - 1, 0).bit_length())
 
 
-def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig) -> _Plan:
+def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig,
+          multiprocessors: int | None = None) -> _Plan:
     block_m = min(config.block_m, _pow2_at_least(rows, 16))
     rows_pad = round_up(rows, block_m)
     block_t = min(config.block_k, _pow2_at_least(num_new, 16))
-    splits = split_count(batch * num_kv * (rows_pad // block_m), num_slots, config)
+    splits = split_count(batch * num_kv * (rows_pad // block_m), num_slots, config, multiprocessors)
     chunk = round_up(-(-num_slots // splits), config.block_k)
     return _Plan(block_m, rows_pad, block_t, round_up(num_new, block_t),
                  num_splits=-(-num_slots // chunk), chunk=chunk)
@@ -186,7 +187,7 @@ def _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, lengths_B, mask_BNM, *, sca
     _, _, num_kv, num_slots, _ = k_LBKSD.shape
     num_new = mask_BNM.shape[2]
     group = num_heads // num_kv
-    plan = _plan(batch, num_kv, group * num_q, num_new, num_slots, config)
+    plan = _plan(batch, num_kv, group * num_q, num_new, num_slots, config, device_multiprocessors())
     q_BRD = q_BNHD.reshape(batch, num_q * num_heads, head_dim)
     # Row blocks vary fastest in launch order, so that the programs reading one K/V chunk run
     # together and share it through L2.

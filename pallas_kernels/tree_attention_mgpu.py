@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.configs import MOSAIC_TREE_ATTENTION_CONFIGS, TreeAttentionConfig
+from pallas_kernels.configs import MOSAIC_TREE_ATTENTION_CONFIGS, TreeAttentionConfig, device_multiprocessors
 from pallas_kernels.split_k import blocks_per_split, merge_splits, round_up, split_count
 from pallas_kernels.tree_attention_reference import check_shapes, stacked
 
@@ -100,13 +100,14 @@ class _Plan:
     num_splits: int
 
 
-def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig) -> _Plan:
+def _plan(batch, num_kv, rows, num_new, num_slots, config: TreeAttentionConfig,
+          multiprocessors: int | None = None) -> _Plan:
     rows_pad = round_up(rows, BLOCK)
     window = round_up(BLOCK - 1 + num_new, BLOCK)
     # Whole blocks: every TMA copy then starts at a multiple of BLOCK (a cache whose slot count
     # is not one is copied once, padded).
     num_slots = round_up(max(num_slots, window), BLOCK)
-    splits = split_count(batch * num_kv * (rows_pad // BLOCK), num_slots, config)
+    splits = split_count(batch * num_kv * (rows_pad // BLOCK), num_slots, config, multiprocessors)
     num_blocks = num_slots // BLOCK
     chunk_blocks = max(1, -(-num_blocks // splits))
     return _Plan(rows_pad, window, num_slots, chunk_blocks,
@@ -312,7 +313,7 @@ def _tree_attention_mgpu(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, 
     batch, num_q, num_heads, head_dim = q_BNHD.shape
     _, num_kv, num_slots, _ = k_BKSD.shape
     group = num_heads // num_kv
-    plan = _plan(batch, num_kv, group * num_q, mask_BNM.shape[2], num_slots, config)
+    plan = _plan(batch, num_kv, group * num_q, mask_BNM.shape[2], num_slots, config, device_multiprocessors())
     pad_slots = ((0, 0), (0, 0), (0, plan.num_slots - num_slots), (0, 0))
     k_BKSD, v_BKSD = jnp.pad(k_BKSD, pad_slots), jnp.pad(v_BKSD, pad_slots)
     lengths_B = jnp.clip(lengths_B, 0, num_slots)

@@ -253,6 +253,29 @@ def test_split_count_bounds():
         TreeAttentionConfig(max_splits=0)
 
 
+@pytest.mark.parametrize("programs, multiprocessors, splits", [
+    (8, 132, 8), (16, 132, 8), (24, 132, 5), (64, 132, 8), (192, 132, 2), (16, 114, 7), (24, 114, 8),
+    (24, None, 8)])
+def test_split_count_in_whole_waves(programs, multiprocessors, splits):
+    """Against a brute force over the split counts the other bounds allow: 24 programs (65 tree nodes at batch 1) take 5 splits on 132
+    multiprocessors, one wave of 120 programs rather than two of 192, and keep 8 on 114, where 8 and 4
+    splits both need a quarter wave per split; ``None`` (multiprocessors unknown) changes nothing."""
+    config = TreeAttentionConfig(min_programs=512, min_chunk=128, max_splits=8, whole_waves=True)
+    assert split_count(programs, 5122, config, multiprocessors) == splits
+    if multiprocessors is not None:
+        most = split_count(programs, 5122, dataclasses.replace(config, whole_waves=False))
+        costs = {s: -(-programs * s // multiprocessors) / s for s in range(1, most + 1)}
+        assert costs[splits] == min(costs.values())
+        assert all(costs[s] > costs[splits] for s in range(splits + 1, most + 1))
+
+
+def test_whole_waves_in_the_plan():
+    config = dataclasses.replace(configs.TREE_ATTENTION_CONFIGS[(9, 0)], whole_waves=True)
+    assert _plan(1, 8, 4 * 65, 65, 5122, config, 132).num_splits == 5
+    assert _plan(1, 8, 4 * 65, 65, 5122, config).num_splits == 8
+    assert configs.device_multiprocessors() is None or jax.default_backend() == "gpu"
+
+
 def test_config_lookup():
     assert configs.tree_attention_config((9, 0)) is configs.TREE_ATTENTION_CONFIGS[(9, 0)]
     assert configs.tree_attention_config((8, 9)) is configs.TREE_ATTENTION_CONFIGS[(8, 0)]
@@ -287,8 +310,9 @@ def test_benchmark_sweep_configs():
         min_chunk=1024, smem_bytes=base.smem_bytes, measured=base.measured)
     assert sweep_config("p528").min_programs == 528 and sweep_config("j4").max_splits == 4
     assert sweep_config("m128l1").split_by_length is True and sweep_config("l0").split_by_length is False
+    assert sweep_config("j8v1").whole_waves is True and sweep_config("v0").whole_waves is False
     assert all(isinstance(sweep_config(name), TreeAttentionConfig) for name in SWEEP_CONFIGS)
-    for bad in ("m64x3", "fast", "", "l2"):
+    for bad in ("m64x3", "fast", "", "l2", "v3"):
         with pytest.raises(SystemExit, match="sweep-configs"):
             sweep_config(bad)
     with pytest.raises(ValueError, match="block_m"):
