@@ -58,8 +58,8 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 VOCAB, DRAFT_DEPTH = 151_936, 15
 QWEN3_8B_WEIGHT_BYTES = 16.4e9
 # Tilings of the sweep part: m<block_m>k<block_k>w<warps>s<stages>, optionally p<min_programs>,
-# c<min_chunk>, j<max_splits> and l<0|1> (split_by_length); fields left out come from the local GPU's
-# table entry (sm_90: p512 c128 j8 l1).
+# c<min_chunk>, j<max_splits>, l<0|1> (split_by_length) and v<0|1> (whole_waves); fields left out come
+# from the local GPU's table entry (sm_90: p512 c128 j8 l1 v0).
 SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128k128w8s2",
                  "m64k64w4s3p528")
 _SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages",
@@ -403,9 +403,9 @@ def main(argv=None):
                              "step's context is shorter than its cache")
     parser.add_argument("--sweep-configs", default=",".join(SWEEP_CONFIGS),
                         help="tilings for the sweep part, m<block_m>k<block_k>w<warps>s<stages>"
-                             "[p<min_programs>][c<min_chunk>][j<max_splits>][l<0|1>: split_by_length], left-out "
-                             "fields from the GPU's table entry; 'xla' adds the XLA path (and each tiling's speedup "
-                             "over it)")
+                             "[p<min_programs>][c<min_chunk>][j<max_splits>][l<0|1>: split_by_length]"
+                             "[v<0|1>: whole_waves], left-out fields from the GPU's table entry; 'xla' adds the XLA "
+                             "path (and each tiling's speedup over it)")
     parser.add_argument("--sampling-cases", default="64:1,64:8,64:64,256:1,256:16,1024:1,1024:4",
                         help="budget:batch pairs")
     parser.add_argument("--vocab", type=int, default=VOCAB)
