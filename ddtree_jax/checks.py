@@ -88,6 +88,13 @@ def _bad(name: str, host: np.ndarray, ok: np.ndarray, rule: str) -> None:
         raise ValueError(f"{name} must be {rule}, got {bad[0] if host.ndim == 0 else bad}")
 
 
+def non_negative(name: str, x, rule: str = ">= 0") -> None:
+    """Raise, naming ``name`` and up to four of its entries below zero, when a concrete array has one."""
+    if is_concrete(x):
+        host = np.asarray(x)
+        _bad(name, host, host >= 0, rule)
+
+
 def sampling_params(temperature, top_k, top_p, batch: int) -> tuple[jax.Array, ...]:
     """Validate and broadcast ``temperature >= 0``, ``top_k >= 0``, ``0 < top_p <= 1``."""
     t = per_request("temperature", temperature, batch, jnp.float32)

@@ -29,7 +29,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ddtree_jax import checks, selection
@@ -308,6 +307,5 @@ def tree_positions(tree: DraftTree, prefix_len: Int[Array, " B"]) -> Int[Array, 
     check_tree(tree)
     prefix_len = checks.array("prefix_len", prefix_len, ndim=1, kind="int")
     checks.same_leading("prefix_len", prefix_len, tree.depths.shape[:1])
-    if checks.is_concrete(prefix_len) and np.any(np.asarray(prefix_len) < 0):
-        raise ValueError(f"prefix_len must be >= 0, got {np.asarray(prefix_len).tolist()}")
+    checks.non_negative("prefix_len", prefix_len)
     return jnp.asarray(prefix_len, jnp.int32)[:, None] + tree.depths

@@ -276,8 +276,7 @@ def tree_greedy_verify(
     checks.same_leading("target_argmax", target_argmax, candidates.shape)
     max_depth = checks.positive_int("max_depth", max_depth, minimum=0)
     next_token, next_sibling = _check_fcns(candidates, next_token, next_sibling)
-    if checks.is_concrete(target_argmax) and np.any(np.asarray(target_argmax) < 0):
-        raise ValueError(f"target_argmax must hold token ids >= 0, got {int(np.asarray(target_argmax).min())}")
+    checks.non_negative("target_argmax", target_argmax, "token ids >= 0")
     return _greedy_verify(candidates, next_token, next_sibling, target_argmax, max_depth=max_depth)
 
 

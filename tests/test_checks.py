@@ -100,3 +100,12 @@ def test_boolean_callback_and_as_array():
         checks.callback("fn", "print")
     x = jnp.zeros(2)
     assert checks.as_array(x) is x and checks.as_array([[1, 2]]).shape == (1, 2)
+
+
+def test_non_negative_names_the_entries_below_zero():
+    checks.non_negative("lengths", np.array([0, 3]))
+    jax.jit(lambda x: checks.non_negative("lengths", x))(np.array([-1]))  # a tracer: nothing to read
+    with pytest.raises(ValueError, match=r"lengths must be >= 0, got \[-2, -1\]"):
+        checks.non_negative("lengths", np.array([[1, -2], [-1, 0]]))
+    with pytest.raises(ValueError, match="ids must be token ids >= 0, got -5"):
+        checks.non_negative("ids", np.int32(-5), "token ids >= 0")

@@ -257,9 +257,10 @@ def test_split_count_bounds():
     (8, 132, 8), (16, 132, 8), (24, 132, 5), (64, 132, 8), (192, 132, 2), (16, 114, 7), (24, 114, 8),
     (24, None, 8)])
 def test_split_count_in_whole_waves(programs, multiprocessors, splits):
-    """Against a brute force over the split counts the other bounds allow: 24 programs (65 tree nodes at batch 1) take 5 splits on 132
-    multiprocessors, one wave of 120 programs rather than two of 192, and keep 8 on 114, where 8 and 4
-    splits both need a quarter wave per split; ``None`` (multiprocessors unknown) changes nothing."""
+    """Against a brute force over the split counts the other bounds allow: 24 programs (65 tree nodes
+    at batch 1) take 5 splits on 132 multiprocessors, one wave of 120 programs rather than two of 192,
+    and keep 8 on 114, where 8 and 4 splits both need a quarter wave per split; ``None``
+    (multiprocessors unknown) changes nothing."""
     config = TreeAttentionConfig(min_programs=512, min_chunk=128, max_splits=8, whole_waves=True)
     assert split_count(programs, 5122, config, multiprocessors) == splits
     if multiprocessors is not None:

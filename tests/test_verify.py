@@ -215,7 +215,7 @@ def test_bad_data_is_reported():
     with pytest.raises(ValueError, match="every row of probs must be a distribution"):
         tree_rejection_sample(np.asarray(tree.tokens), fcns.next_token, fcns.next_sibling, ones, ones[:, 0],
                               probs * 0.5, max_depth=3)
-    with pytest.raises(ValueError, match="target_argmax must hold token ids >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"target_argmax must be token ids >= 0, got \[-1, -1"):
         tree_greedy_verify(np.asarray(tree.tokens), fcns.next_token, fcns.next_sibling, -ones.astype(np.int32),
                            max_depth=3)
 
