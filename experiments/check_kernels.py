@@ -82,6 +82,7 @@ ATTENTION_CASES = [
     (4, 256, 32, 4, 128, [16384, 2048, 9999, 1], 30, "bfloat16"),
     (1, 7, 32, 8, 128, [65536], 0, "bfloat16"),
     (16, 64, 32, 8, 128, [1024], 0, "bfloat16"),
+    (1, 65, 32, 8, 128, [1000], 0, "bfloat16"),  # a B = 64 round's verify: 5 splits in whole waves on 132 SMs
 ]
 # (layers, index into ATTENTION_CASES): that case's K/V as the last layer of stacked
 # [L, B, K, S, D] caches (the models' layout), read in place with layer = L - 1; 9 x case 1 is

@@ -270,9 +270,12 @@ def test_split_count_in_whole_waves(programs, multiprocessors, splits):
         assert all(costs[s] > costs[splits] for s in range(splits + 1, most + 1))
 
 
-def test_whole_waves_in_the_plan():
-    config = dataclasses.replace(configs.TREE_ATTENTION_CONFIGS[(9, 0)], whole_waves=True)
-    assert _plan(1, 8, 4 * 65, 65, 5122, config, 132).num_splits == 5
+def test_whole_waves_in_the_sm90_plan():
+    """The sm_90 entry: a B = 64 round's verify (65 nodes x 4 query heads, three row blocks) takes 5
+    splits on 132 multiprocessors; 64 nodes and one node keep 8."""
+    config = configs.TREE_ATTENTION_CONFIGS[(9, 0)]
+    assert config.whole_waves
+    assert [_plan(1, 8, 4 * n, n, 5122, config, 132).num_splits for n in (1, 64, 65)] == [8, 8, 5]
     assert _plan(1, 8, 4 * 65, 65, 5122, config).num_splits == 8
     assert configs.device_multiprocessors() is None or jax.default_backend() == "gpu"
 
