@@ -6,7 +6,8 @@ partial outputs in two fusions per layer (the running maxima and sums, then the 
 outputs fused with the pad of the output projection's rows); the partial outputs are float32
 ``[splits, rows, head_dim]``, 7.5 MB a layer for a 16-node tree and 27 splits.
 This script compiles the AR round (the decode step) and a DDTree round per ``--budgets`` at Qwen3-8B
-shapes, random weights, once per variant, and times them back to back, the variants interleaved.
+shapes, random weights, ``--batch`` requests of ``--context`` tokens, once per variant, and times them
+back to back, the variants interleaved.
 ``--variants`` names them:
 
   shipped        the merge and the local GPU's split policy as they are
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1, help="requests per round, each with --context tokens")
     ap.add_argument("--budgets", type=int_list, default=[16],
                     help="comma-separated DDTree budgets, each a round beside AR's")
     ap.add_argument("--topk-cap", type=int, default=4)
@@ -109,13 +111,13 @@ def main(argv=None) -> int:
         raise ValueError(f"--variants must name distinct variants, got {args.variants!r}")
     parsed = [(name, *parse_variant(name)) for name in names]
     budgets = args.budgets
-    for name, value in (("context", args.context), ("repeats", args.repeats)):
+    for name, value in (("context", args.context), ("batch", args.batch), ("repeats", args.repeats)):
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     if args.topk_cap < 0:
         raise ValueError(f"--topk-cap must be >= 0, got {args.topk_cap}")
     target, drafter = bench.make_models(args.shapes)
-    sampling = bench.constant_sampling(1, 1.0, 0, 1.0)
+    sampling = bench.constant_sampling(args.batch, 1.0, 0, 1.0)
     shipped_config = configs.tree_attention_config()
     capability = configs.device_capability()
     runners = {}
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
         for label, method, budget in (("ar", "ar", 1), *((f"ddtree{b}", "ddtree", b) for b in budgets)):
             spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto", "auto",
                                     build_impl="auto")
-            state = bench.make_state(target, drafter, spec, 1, args.context)
+            state = bench.make_state(target, drafter, spec, args.batch, args.context)
             runners[name, label] = compiled_round(target, drafter, spec, state, sampling)
             print(f"compiled {name} {label}", flush=True)
         tree_attention.merge_splits = split_k.merge_splits

@@ -27,8 +27,8 @@ def test_merge_weights_first_equals_the_shipped_merge():
 def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path):
     out = tmp_path / "merge.json"
     before = dict(configs.TREE_ATTENTION_CONFIGS)
-    variants = ("shipped", "by_capacity", "weights_first", "chunk_256", "programs_64")
-    argv = ["--shapes", "tiny", "--context", "16", "--budgets", "4,8", "--variants", ",".join(variants),
+    variants = ("shipped", "by_capacity", "weights_first", "whole_waves", "programs_64")
+    argv = ["--shapes", "tiny", "--context", "16", "--batch", "2", "--budgets", "4,8", "--variants", ",".join(variants),
             "--repeats", "1", "--out", str(out)]
     assert bench_attention_merge.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -43,12 +43,12 @@ def test_variant_names_parse_to_their_fields():
     assert parse("shipped") == (None, {}) and parse("by_capacity") == (None, {"split_by_length": False})
     assert parse("weights_first")[0] is bench_attention_merge.merge_weights_first
     assert parse("chunk_1024") == (None, {"min_chunk": 1024}) and parse("programs_128") == (None, {"min_programs": 128})
-    assert parse("splits_8") == (None, {"max_splits": 8})
+    assert parse("splits_8") == (None, {"max_splits": 8}) and parse("whole_waves") == (None, {"whole_waves": True})
 
 
 @pytest.mark.parametrize("flag,value",
                          [("--variants", v) for v in ("chunk_0", "programs_x", "nope", "shipped,shipped", "")]
-                         + [("--context", "0"), ("--topk-cap", "-1")])
+                         + [("--context", "0"), ("--batch", "0"), ("--topk-cap", "-1")])
 def test_bad_flags_raise(tmp_path, flag, value):
     with pytest.raises(ValueError, match=flag):
         bench_attention_merge.main(["--shapes", "tiny", flag, value, "--out", str(tmp_path / "x.json")])
