@@ -60,7 +60,7 @@ def test_an_event_without_a_part_takes_the_part_of_the_event_before_it():
         {"verify": 6.0, "sample": 9.0, profiling.UNATTRIBUTED: 1.0})
     assert summary["S"]["by_neighbour_ms"] == pytest.approx(12.0)
     assert summary["T"]["parts"].keys() == {profiling.UNATTRIBUTED} and summary["T"]["by_neighbour_ms"] == 0
-    assert "(12.000 ms of it by the op before)" in profiling.format_summary(summary)
+    assert "(12.000 ms of these matched no op and took the part of the op before)" in profiling.format_summary(summary)
 
 
 def triton_call(name, operand, scope, config, root=False):

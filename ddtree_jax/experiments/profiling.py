@@ -274,7 +274,8 @@ def format_summary(summary: dict, ops: int = 5) -> str:
         lines.append(f"    [{line}] {s['ms_per_call']:.2f} ms per call: {shares}")
         if "parts" in s:
             by_part = ", ".join(f"{part} {p['ms_per_call']:.3f}" for part, p in s["parts"].items())
-            lines.append(f"      by part: {by_part} ms ({s['by_neighbour_ms']:.3f} ms of it by the op before)")
+            lines.append(f"      by part: {by_part} ms ({s['by_neighbour_ms']:.3f} ms of these matched no op "
+                         "and took the part of the op before)")
         lines += [f"      {op['ms_per_call']:7.3f} ms  x{op['count_per_call']:<5g} {op['kind']:<22} {op['name'][:70]}"
                   for op in s["top_ops"][:ops]]
     return "\n".join(lines) if lines else "    (no device trace on this backend)"
