@@ -334,11 +334,13 @@ def _save(path, hf_config, tensors, max_shard_bytes) -> None:
     if None in dtype_names or len(dtype_names) != 1:
         raise ValueError(f"can only save one of {sorted(_DTYPE_NAMES.values())} for all tensors, "
                          f"got {sorted({str(t.dtype) for t in tensors.values()})}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"path must be a directory (new or existing) for the checkpoint, got the file {path}")
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    shards = _shard(tensors, max_shard_bytes)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({**hf_config, "dtype": dtype_names.pop()}, f, indent=2, sort_keys=True)
-    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:
         if os.path.exists(os.path.join(path, _INDEX)):  # a stale index would shadow the new file
             os.remove(os.path.join(path, _INDEX))

@@ -112,6 +112,15 @@ def test_saving_something_else_than_a_model_is_refused(tmp_path):
         save_drafter(tmp_path, tiny_target())
 
 
+def test_saving_into_a_file_or_with_bad_shards_writes_nothing(tmp_path):
+    (tmp_path / "weights").write_text("not a directory")
+    with pytest.raises(ValueError, match="path must be a directory .* got the file"):
+        save_target(tmp_path / "weights", tiny_target())
+    with pytest.raises(ValueError, match="max_shard_bytes must be positive, got 0"):
+        save_drafter(tmp_path / "d", tiny_drafter(), max_shard_bytes=0)
+    assert not (tmp_path / "d").exists() and (tmp_path / "weights").read_text() == "not a directory"
+
+
 def test_bad_drafter_checkpoints_and_directories(tmp_path):
     save_drafter(tmp_path / "d", tiny_drafter())
     corrupt(tmp_path / "d", lambda t: t.update({"fc.weight": np.zeros((16, 16), np.float32)}))
