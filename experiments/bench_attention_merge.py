@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax import engine  # noqa: E402
+from ddtree_jax import checks, engine  # noqa: E402
 from ddtree_jax.experiments import bench  # noqa: E402
 from ddtree_jax.experiments.flags import int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
@@ -111,11 +111,8 @@ def main(argv=None) -> int:
         raise ValueError(f"--variants must name distinct variants, got {args.variants!r}")
     parsed = [(name, *parse_variant(name)) for name in names]
     budgets = args.budgets
-    for name, value in (("context", args.context), ("batch", args.batch), ("repeats", args.repeats)):
-        if value < 1:
-            raise ValueError(f"--{name} must be >= 1, got {value}")
-    if args.topk_cap < 0:
-        raise ValueError(f"--topk-cap must be >= 0, got {args.topk_cap}")
+    checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
+                 + [("topk_cap", lambda v: v >= 0, ">= 0")])
     target, drafter = bench.make_models(args.shapes)
     sampling = bench.constant_sampling(args.batch, 1.0, 0, 1.0)
     shipped_config = configs.tree_attention_config()

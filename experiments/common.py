@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from ddtree_jax import checks
 from ddtree_jax.assets import TOKENIZER_PATH
 from ddtree_jax.experiments.bench import median_ms  # noqa: F401  (re-exported for the bench scripts)
 from ddtree_jax.tokenizer import Tokenizer
@@ -55,12 +56,9 @@ def parse_training_args(p: argparse.ArgumentParser, argv, tiny: dict, positive: 
     if args.tiny:
         p.set_defaults(**tiny)
         args = p.parse_args(argv)
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in positive]
+                 + [("max_minutes", lambda v: v is None or v > 0, "> 0")])
     Schedule(args.lr, args.steps, args.warmup)  # checks the warmup before any data is prepared
-    if args.max_minutes is not None and args.max_minutes <= 0:
-        raise ValueError(f"--max-minutes must be > 0, got {args.max_minutes}")
     return args
 
 
