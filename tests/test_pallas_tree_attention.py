@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -278,6 +279,15 @@ def test_whole_waves_in_the_sm90_plan():
     assert [_plan(1, 8, 4 * n, n, 5122, config, 132).num_splits for n in (1, 64, 65)] == [8, 8, 5]
     assert _plan(1, 8, 4 * 65, 65, 5122, config).num_splits == 8
     assert configs.device_multiprocessors() is None or jax.default_backend() == "gpu"
+
+
+@pytest.mark.parametrize("platform, count, expected", [("gpu", 132, 132), ("gpu", None, None), ("gpu", 0, None),
+                                                       ("gpu", "132", None), ("cpu", 8, None)])
+def test_device_multiprocessors_reads_a_gpus_core_count(monkeypatch, platform, count, expected):
+    """A CUDA device's ``core_count`` (its SMs) when it is an int >= 1; ``None`` otherwise and off CUDA."""
+    device = types.SimpleNamespace(platform=platform, **({} if count is None else {"core_count": count}))
+    monkeypatch.setattr(jax, "local_devices", lambda: [device])
+    assert configs.device_multiprocessors() == expected
 
 
 def test_config_lookup():
