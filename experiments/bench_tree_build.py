@@ -182,14 +182,16 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
 
 def parse_variant(name: str) -> TreeBuildConfig:
     """A tree-build launch from its name: ``w<warps>`` (default 4), ``c<candidates a count tile>``
-    (default 0, one tile), ``m`` for the merge order (else the count order) and ``g`` for candidates
-    gathered by loads (else one-hot reductions), in that order: ``w16``, ``c32m``, ``w16c32mg``."""
-    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?(m?)(g?)", name)
+    (default 0, one tile), ``m`` for the merge order or ``s`` for the search order (else the count
+    order) and ``g`` for candidates gathered by loads (else one-hot reductions), in that order: ``w16``,
+    ``c32m``, ``w16c32mg``, ``w16c32sg``."""
+    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?([ms]?)(g?)", name)
     if not name or match is None:
-        raise ValueError(f"a kernel variant is w<warps>, c<chunk>, m (merge) and g (loads) in that order, got {name!r}")
-    warps, chunk, merge, loads = match.groups()
-    return TreeBuildConfig(num_warps=int(warps or 4), chunk=int(chunk or 0), order="merge" if merge else "count",
-                           gather="loads" if loads else "onehot")
+        raise ValueError(f"a kernel variant is w<warps>, c<chunk>, m (merge) or s (search) and g (loads) in that "
+                         f"order, got {name!r}")
+    warps, chunk, order, loads = match.groups()
+    return TreeBuildConfig(num_warps=int(warps or 4), chunk=int(chunk or 0),
+                           order={"m": "merge", "s": "search", "": "count"}[order], gather="loads" if loads else "onehot")
 
 
 def main(argv=None) -> int:
@@ -201,8 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the trees (0 = none)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--kernel-variants", default="",
-                    help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk>mg "
-                         "(each part optional; m: the merge order; g: loads), e.g. w16,c32m,w16c32mg")
+                    help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk>[m|s]g "
+                         "(each part optional; m: the merge order, s: the search order, which needs g; g: loads), "
+                         "e.g. w16,c32m,w16c32mg,w16c32sg")
     ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)

@@ -294,15 +294,19 @@ def check_kv_write(interpret=False, cases=KV_WRITE_CASES):
 
 # (batch, depth, vocab, budget, k, ties, launch: None for `tree_build.tree_build_config`'s) of the tree-build
 # kernel: the CLI's default tree (16, cap 4), budgets 16 to 64 uncapped and capped, a chain, at batch 1 to 8;
-# besides the default launches (the merge order, gathers by loads), the count order and one-hot gathers
+# besides the default launches (the merge order, gathers by loads), the count order, one-hot gathers and
+# the search order
 MERGE_32 = TreeBuildConfig(num_warps=8, chunk=32, order="merge")
+SEARCH_32 = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="loads")
 TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False, None), (8, 15, 151_936, 16, 16, True, None),
                     (1, 15, 151_936, 32, 32, True, None), (8, 15, 151_936, 32, 8, False, None),
                     (2, 15, 151_936, 16, 1, True, None), (1, 15, 151_936, 64, 64, True, None),
                     (8, 15, 151_936, 64, 8, False, None), (1, 15, 151_936, 32, 32, True, MERGE_32),
                     (8, 15, 151_936, 16, 16, True, TreeBuildConfig(chunk=16, order="merge")),
                     (8, 15, 151_936, 16, 16, True, TreeBuildConfig(gather="loads")),
-                    (1, 15, 151_936, 16, 4, False, TreeBuildConfig())]
+                    (1, 15, 151_936, 16, 4, False, TreeBuildConfig()),
+                    (1, 15, 151_936, 64, 4, True, SEARCH_32), (8, 15, 151_936, 64, 64, True, SEARCH_32),
+                    (1, 15, 151_936, 16, 4, False, TreeBuildConfig(chunk=32, order="search", gather="loads"))]
 
 
 def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):

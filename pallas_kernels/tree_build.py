@@ -17,7 +17,10 @@ global order's own; here the whole of it is one program per request:
 - the global order either counts, for each depth row of the tiles, the entries of every row before
   it (``order="count"``: ``[L2, B, B]`` tiles, budgets up to `COUNT_ORDER_MAX_BUDGET`), or merges the
   rows, which are each sorted already: ``B`` steps that pop the best row head (``order="merge"``:
-  ``[L2, B]`` tiles, a step's reductions in sequence).
+  ``[L2, B]`` tiles, a step's reductions in sequence), or finds each entry's place in every other
+  row by a binary search over the stored rows and stores each field at its place (``order="search"``,
+  with ``gather="loads"``: ``log2(B) + 1`` steps of loads over ``[L2, L2, B]`` lanes, no reduction
+  but the sum of the places).
 
 The result equals `tree_build_reference` (and the library's ``tree_from_top_k``), ties included:
 the same keys and the same tie rule. The counts grow as ``L (B ln B)^2``; the kernel takes budgets
@@ -42,7 +45,7 @@ MAX_DEPTH = 16
 MAX_CHUNKS = 16  # chunks a depth: chunks^2 count tiles are unrolled in the program
 COUNT_ORDER_MAX_BUDGET = 32  # the count order's [L2, B, B] tiles
 WARPS = (1, 2, 4, 8, 16)
-ORDERS = ("count", "merge")
+ORDERS = ("count", "merge", "search")
 GATHERS = ("onehot", "loads")
 
 
@@ -69,13 +72,16 @@ class TreeBuildConfig:
             raise ValueError(f"TreeBuildConfig.order must be one of {ORDERS}, got {self.order!r}")
         if self.gather not in GATHERS:
             raise ValueError(f"TreeBuildConfig.gather must be one of {GATHERS}, got {self.gather!r}")
+        if self.order == "search" and self.gather != "loads":
+            raise ValueError(f"TreeBuildConfig.order='search' loads the stored rows: it needs gather='loads', "
+                             f"got gather={self.gather!r}")
 
     def supports(self, budget: int, k: int) -> bool:
         """Whether this launch takes a budget and width `kernel_supports` takes: its count tiles
         within `MAX_TILE` candidates and `MAX_CHUNKS` chunks, the count order only up to
         `COUNT_ORDER_MAX_BUDGET`."""
         tile, chunks = candidate_chunks(budget, k, self.chunk)
-        return tile <= MAX_TILE and chunks <= MAX_CHUNKS and (self.order == "merge" or budget <= COUNT_ORDER_MAX_BUDGET)
+        return tile <= MAX_TILE and chunks <= MAX_CHUNKS and (self.order != "count" or budget <= COUNT_ORDER_MAX_BUDGET)
 
 
 def tree_build_config(budget: int, k: int) -> TreeBuildConfig:
@@ -167,8 +173,9 @@ def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
                                barrier=not interpret)
     row_spec = pl.BlockSpec((None, depth2, k2), lambda b: (b, 0, 0))
     pair_spec = pl.BlockSpec((tile * chunks,), lambda b: (0,))
-    out_spec = pl.BlockSpec((None, budget), lambda b: (b, 0))
-    ints, floats = jax.ShapeDtypeStruct((batch, budget), jnp.int32), jax.ShapeDtypeStruct((batch, budget), jnp.float32)
+    slots = depth2 * budget if config.order == "search" else budget  # search: every entry stored at its place
+    out_spec = pl.BlockSpec((None, slots), lambda b: (b, 0))
+    ints, floats = jax.ShapeDtypeStruct((batch, slots), jnp.int32), jax.ShapeDtypeStruct((batch, slots), jnp.float32)
     out_specs, out_shape = [out_spec] * 4, [ints, ints, ints, floats]
     if config.gather == "loads":  # scratch: each depth's beam, which the candidates and the merge load from
         tile_spec = pl.BlockSpec((None, depth2, budget), lambda b: (b, 0, 0))
@@ -176,11 +183,15 @@ def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
         out_shape += [jax.ShapeDtypeStruct((batch, *shape), dtype) for shape, dtype in (
             ((depth2, budget), jnp.float32), ((depth2, budget), jnp.int32), ((depth2, budget), jnp.int32),
             ((words, depth2, budget), jnp.int32))]
-    return pl.pallas_call(
+    if config.order == "search":  # scratch: each entry's place, which its children load
+        out_specs.append(tile_spec)
+        out_shape.append(jax.ShapeDtypeStruct((batch, depth2, budget), jnp.int32))
+    fields = pl.pallas_call(
         kernel, grid=(batch,), in_specs=[row_spec, row_spec, pair_spec, pair_spec], out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="tree_build",
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1),
     )(lp, tok, jnp.asarray(pair_i), jnp.asarray(pair_r))[:4]
+    return tuple(field[:, :budget] for field in fields)
 
 
 def _iota(shape, axis):
@@ -214,7 +225,8 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
             depth, bits, per_word, words, tile, chunks, order, gather, barrier):
     """Program b: request b's beam over the ``[L2, K2]`` rows, then its ``budget`` first entries.
     ``scratch``: with ``gather="loads"``, every depth's beam as a row, ``[L2, B]`` logw, tokens and
-    parents and ``[words, L2, B]`` rank words; ``barrier``: whether to synchronise the program's threads
+    parents and ``[words, L2, B]`` rank words, and with ``order="search"`` the ``[L2, B]`` places of
+    the entries; ``barrier``: whether to synchronise the program's threads
     between their stores and loads (not in the interpreter, which runs them in order)."""
     neg = jnp.float32(-jnp.inf)
     depth2, k2 = lp_ref.shape
@@ -238,7 +250,7 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
     def publish(d, logw, tok, parent, beam_words):
         """``gather="loads"``: depth d's beam into row d of the scratch, then a barrier, after which every
         thread may load it."""
-        logw_buf, tok_buf, par_buf, words_buf = scratch
+        logw_buf, tok_buf, par_buf, words_buf = scratch[:4]
         for buf, values in ((logw_buf, logw), (tok_buf, tok), (par_buf, parent)):
             buf[pl.ds(d, 1), :] = values[None, :]
         for x, w in enumerate(beam_words):
@@ -249,7 +261,7 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
     def gathered(d, logw, beam_words, pair_i, pair_r):
         """A chunk's beam entries and row entries: ``(beam logw, beam words, row lp, row tokens)``."""
         if gather == "loads":  # padding pairs (i = B, r = K2) load a clamped entry, then take the one-hot's values
-            logw_buf, _, _, words_buf = scratch
+            logw_buf, _, _, words_buf = scratch[:4]
             real = pair_i < width
             i, r = jnp.minimum(pair_i, width - 1), jnp.minimum(pair_r, k2 - 1)
             d_T, above_T = jnp.full((tile,), d, jnp.int32), jnp.full((tile,), d - 1, jnp.int32)
@@ -306,6 +318,10 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
     _, _, acc_logw, acc_tok, acc_par, acc_words = jax.lax.fori_loop(1, depth, extend, carry)
     if order == "count":
         fields = _count_order(acc_logw, acc_tok, acc_par, acc_words, budget=budget)
+    elif order == "search":
+        _search_order(acc_logw, acc_tok, acc_par, acc_words, (tok_out, par_out, depth_out, logw_out), scratch,
+                      barrier=barrier)
+        return
     else:
         fields = _merge_order(acc_logw, acc_tok, acc_par, acc_words, budget=budget, depth=depth,
                               scratch=scratch if gather == "loads" else None)
@@ -347,6 +363,54 @@ def _count_order(acc_logw, acc_tok, acc_par, acc_words, *, budget):
         picked = jnp.where(hit, field[None, :, :], neg if jnp.issubdtype(field.dtype, jnp.floating) else 0)
         fields.append(_collapse(_collapse(picked, axis=2)))
     return fields
+
+
+def _search_order(acc_logw, acc_tok, acc_par, acc_words, outs, scratch, *, barrier):
+    """`_count_order`'s fields stored into ``outs`` (tokens, parents, depths, logw; ``[L2 * B]`` each,
+    of which the caller keeps the first ``B``) at each entry's place. Each row is a beam, sorted by the order's key (-logw, words, ``d * width + w``), so the
+    entries of row d' before entry (d, w) are a prefix of it, whose length a binary search over the
+    stored row finds: ``log2(width) + 1`` steps, each a load per key over ``[L2 (d'), L2 (d), width (w)]``
+    lanes; the place is the sum over d'. The places form a permutation of the ``L2 * B`` slots, each
+    stored once; an entry's parent node is its parent's place + 1, loaded from the
+    stored places (``scratch``: `_kernel`'s, the places last)."""
+    neg = jnp.float32(-jnp.inf)
+    logw_buf, _, _, words_buf, place_buf = scratch
+    depth2, width = acc_logw.shape
+    rows, cols = _iota((depth2, width), 0), _iota((depth2, width), 1)
+    logw_buf[...] = acc_logw  # the rows past the last depth too, which the beam left unstored
+    for x, w in enumerate(acc_words):
+        words_buf[x, :, :] = w
+    if barrier:
+        plt.debug_barrier()
+
+    lanes = (depth2, depth2, width)
+    row_q = _iota(lanes, 0)
+    keys_p = [(-acc_logw)[None], *[w[None] for w in acc_words]]
+    flat_p = (rows * width + cols)[None]
+
+    def precedes(at):
+        """Whether entry (d', at) of row d' sorts before entry (d, w), lane by lane."""
+        keys_q = [-plt.load(logw_buf.at[row_q, at]),
+                  *[plt.load(words_buf.at[jnp.full(lanes, x, jnp.int32), row_q, at]) for x in range(len(acc_words))]]
+        return _precedes(keys_q, keys_p, row_q * width + at < flat_p)
+
+    before = jnp.zeros(lanes, jnp.int32)  # a prefix of row d' sorts before (d, w); its length so far
+    step = width // 2
+    while step:
+        before = before + jnp.where(precedes(before + step - 1), step, 0)
+        step //= 2
+    before = before + precedes(before).astype(jnp.int32)  # before <= width - 1 here: one entry left to test
+    place = jnp.sum(before, axis=0)
+
+    place_buf[...] = place
+    if barrier:
+        plt.debug_barrier()
+    above = plt.load(place_buf.at[jnp.maximum(rows - 1, 0), jnp.clip(acc_par, 0, width - 1)])
+    real = acc_logw > neg
+    fields = (jnp.where(real, acc_tok, 0), jnp.where(real, jnp.where(rows == 0, 0, above + 1), -1),
+              jnp.where(real, rows + 1, 0), jnp.where(real, acc_logw, neg))
+    for out, field in zip(outs, fields):
+        plt.store(out.at[place], field)
 
 
 def _merge_order(acc_logw, acc_tok, acc_par, acc_words, *, budget, depth, scratch=None):

@@ -58,12 +58,14 @@ def assert_equal_nodes(got, want):
 COUNT = TreeBuildConfig()
 MERGE = TreeBuildConfig(chunk=8, order="merge")
 LOADS = TreeBuildConfig(gather="loads")
+SEARCH = TreeBuildConfig(order="search", gather="loads")
+SEARCH_64 = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="loads")
 # (batch, depth, vocab, budget, k, launch; None: `tree_build_config`'s): compiled once each. Budgets 2
 # to 64 with k = budget and below it (a per-depth cap, k = 1 a chain), depth 1, the embedded drafter's
 # 15 and the most, 16; rank tuples in one word (k = 1) and in several (k = 16, 32, 64: three, four and
 # four words at depth 15); fewer candidate paths than the budget (vocab 3: padding nodes, -inf entries
 # in the rows); one count tile and chunks of 8 to 64 candidates (a last chunk part padding); the count
-# order and the merge; candidates gathered by one-hot reductions and by loads.
+# order, the merge and the search; candidates gathered by one-hot reductions and by loads.
 SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8, None), (2, 3, 3, 16, 3, None),
           (1, 1, 50, 4, 4, None), (2, 16, 100, 32, 4, None), (1, 7, 64, 16, 1, None), (2, 9, 64, 32, 32, None),
           (1, 2, 5, 2, 2, None), (2, 15, 300, 64, 64, None),
@@ -73,7 +75,9 @@ SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8
           (2, 15, 300, 16, 16, COUNT), (1, 15, 300, 16, 4, COUNT), (2, 3, 3, 16, 3, COUNT),
           (2, 15, 300, 16, 16, LOADS), (2, 3, 3, 16, 3, LOADS), (1, 2, 5, 2, 2, LOADS),
           (2, 3, 3, 16, 3, TreeBuildConfig(order="merge", gather="loads")),
-          (2, 15, 300, 64, 64, TreeBuildConfig(num_warps=16, chunk=32, order="merge"))]
+          (2, 15, 300, 64, 64, TreeBuildConfig(num_warps=16, chunk=32, order="merge")),
+          (2, 15, 300, 16, 16, SEARCH), (2, 3, 3, 16, 3, SEARCH), (1, 2, 5, 2, 2, SEARCH), (1, 1, 50, 4, 4, SEARCH),
+          (1, 16, 40, 64, 4, SEARCH_64), (2, 15, 300, 64, 64, SEARCH_64)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -98,12 +102,13 @@ def test_reference_equals_library_beyond_the_kernel(budget, k):
     (16, 16, 15, None), (16, 4, 15, None), (32, 32, 15, None), (32, 32, 15, TreeBuildConfig(num_warps=16)),
     (64, 64, 15, None), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=64, order="merge")),
     (16, 16, 15, TreeBuildConfig(chunk=16, order="merge")), (2, 1, 1, TreeBuildConfig(num_warps=1)),
-    (16, 16, 15, LOADS), (16, 16, 15, COUNT), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=32, order="merge"))])
+    (16, 16, 15, LOADS), (16, 16, 15, COUNT), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=32, order="merge")),
+    (16, 4, 15, SEARCH), (64, 4, 15, SEARCH_64), (64, 64, 16, SEARCH_64)])
 def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
     (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, config=config), *shapes)
     assert "tt.reduce" in module
-    # loads: the threads meet after each beam's stores, which the candidates and the merge then load
+    # loads: the threads meet after each beam's stores, which the candidates, the merge and the search load
     assert ("gpu.barrier" in module) == ((config or tree_build_config(budget, k)).gather == "loads")
 
 
@@ -144,7 +149,7 @@ def test_bad_input_raises_clear_errors():
         tree_nodes(lp, ids, budget=4, config=4)
     for field, value, message in [("num_warps", 3, "num_warps must be one of"), ("chunk", 12, "chunk must be 0 or"),
                                   ("chunk", 256, "chunk must be 0 or"), ("order", "sort", "order must be one of"),
-                                  ("gather", "scan", "gather must be one of")]:
+                                  ("gather", "scan", "gather must be one of"), ("order", "search", "needs gather='loads'")]:
         with pytest.raises(ValueError, match=message):
             TreeBuildConfig(**{field: value})
 
