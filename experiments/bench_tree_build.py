@@ -191,7 +191,8 @@ def parse_variant(name: str) -> TreeBuildConfig:
                          f"order, got {name!r}")
     warps, chunk, order, loads = match.groups()
     return TreeBuildConfig(num_warps=int(warps or 4), chunk=int(chunk or 0),
-                           order={"m": "merge", "s": "search", "": "count"}[order], gather="loads" if loads else "onehot")
+                           order={"m": "merge", "s": "search", "": "count"}[order],
+                           gather="loads" if loads else "onehot")
 
 
 def main(argv=None) -> int:

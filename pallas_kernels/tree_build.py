@@ -367,12 +367,14 @@ def _count_order(acc_logw, acc_tok, acc_par, acc_words, *, budget):
 
 def _search_order(acc_logw, acc_tok, acc_par, acc_words, outs, scratch, *, barrier):
     """`_count_order`'s fields stored into ``outs`` (tokens, parents, depths, logw; ``[L2 * B]`` each,
-    of which the caller keeps the first ``B``) at each entry's place. Each row is a beam, sorted by the order's key (-logw, words, ``d * width + w``), so the
-    entries of row d' before entry (d, w) are a prefix of it, whose length a binary search over the
-    stored row finds: ``log2(width) + 1`` steps, each a load per key over ``[L2 (d'), L2 (d), width (w)]``
-    lanes; the place is the sum over d'. The places form a permutation of the ``L2 * B`` slots, each
-    stored once; an entry's parent node is its parent's place + 1, loaded from the
-    stored places (``scratch``: `_kernel`'s, the places last)."""
+    of which the caller keeps the first ``B``) at each entry's place.
+
+    Each row is a beam, sorted by the order's key (-logw, words, ``d * width + w``), so the entries of
+    row d' before entry (d, w) are a prefix of it, whose length a binary search over the stored row
+    finds: ``log2(width) + 1`` steps, each a load per key over ``[L2 (d'), L2 (d), width (w)]`` lanes.
+    The place is the sum over d'. The places form a permutation of the ``L2 * B`` slots, each stored
+    once; an entry's parent node is its parent's place + 1, loaded from the stored places
+    (``scratch``: `_kernel`'s, the places last)."""
     neg = jnp.float32(-jnp.inf)
     logw_buf, _, _, words_buf, place_buf = scratch
     depth2, width = acc_logw.shape

@@ -70,7 +70,7 @@ def test_bench_tree_build_kernel_variants(tmp_path):
     assert bench_tree_build.parse_variant("w16c32m") == TreeBuildConfig(num_warps=16, chunk=32, order="merge")
     assert bench_tree_build.parse_variant("c32mg") == TreeBuildConfig(chunk=32, order="merge", gather="loads")
     assert bench_tree_build.parse_variant("c32sg") == TreeBuildConfig(chunk=32, order="search", gather="loads")
-    for bad, message in [("w3", "num_warps must be"), ("m32", "w<warps>, c<chunk>, m"), ("gm", "w<warps>, c<chunk>, m"), ("c32s", "needs gather='loads'"),
-                         ("c12", "chunk must be")]:
+    for bad, message in [("w3", "num_warps must be"), ("m32", "w<warps>, c<chunk>, m"), ("gm", "w<warps>, c<chunk>, m"),
+                         ("c32s", "needs gather='loads'"), ("c12", "chunk must be")]:
         with pytest.raises(ValueError, match=f"--kernel-variants: .*{message}"):
             bench_tree_build.main(["--kernel-variants", bad, "--out", str(tmp_path / "x.json")])

@@ -149,7 +149,8 @@ def test_bad_input_raises_clear_errors():
         tree_nodes(lp, ids, budget=4, config=4)
     for field, value, message in [("num_warps", 3, "num_warps must be one of"), ("chunk", 12, "chunk must be 0 or"),
                                   ("chunk", 256, "chunk must be 0 or"), ("order", "sort", "order must be one of"),
-                                  ("gather", "scan", "gather must be one of"), ("order", "search", "needs gather='loads'")]:
+                                  ("gather", "scan", "gather must be one of"),
+                                  ("order", "search", "needs gather='loads'")]:
         with pytest.raises(ValueError, match=message):
             TreeBuildConfig(**{field: value})
 
