@@ -34,11 +34,11 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
   ============  =======================================================  =========
 
 The tree build (``build_impl``): its beam and global order are the tree-build kernel, one program per
-request, on a supported GPU without a mesh for budgets of at most `TREE_KERNEL_MAX_BUDGET` drafts that
-the kernel takes (powers of two; 16 is the CLI's default), XLA's ops elsewhere (``ddtree_jax.tree``):
-on an H200 the kernel's beam and order took 0.056 ms against XLA's 0.104 at B = 16 and 0.098 against
-0.119 at B = 32, but 0.378 against 0.139 at B = 64. ``pallas`` runs it at every budget it takes (up
-to 64), with `tree_build.tree_build_config`'s launch.
+request, on a supported GPU without a mesh for the budgets the kernel takes (powers of two up to 64;
+16 is the CLI's default), XLA's ops elsewhere (``ddtree_jax.tree``). With its search order, on an H100
+at K = 4 the kernel's beam and order took 0.041 / 0.056 / 0.108 ms against XLA's 0.099 / 0.117 / 0.123
+at B = 16 / 32 / 64 (batch 1; BENCHMARKS.md). ``pallas`` and ``auto`` run it alike, with
+`tree_build.tree_build_config`'s launch.
 
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
@@ -257,21 +257,13 @@ def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None
     return fused
 
 
-# ``auto`` builds trees of at most this many drafts with the tree-build kernel. Measured on an H200
-# (experiments/bench_tree_build.py, the beam and global order in a loop, XLA against the kernel's
-# `tree_build_config` launch in one process, K = B, BENCHMARKS.md): at batch 1, B = 16 0.104 -> 0.056 ms,
-# B = 32 0.119 -> 0.098 ms, B = 64 0.139 -> 0.378 ms.
-TREE_KERNEL_MAX_BUDGET = 32
-
-
 def tree_build_fn(impl: str, mesh: Mesh | None = None):
     """Step 2 of a round for ``impl`` (see the module docstring): ``fn(draft_logits_BLV, root_B,
     draft_temperature, *, budget, topk_cap) -> DraftTree``, the tree of `tree.build_tree_unchecked`
     for every implementation. The kernel (`pallas_kernels.tree_build`, one program per request, the
     launch of `tree_build.tree_build_config`) does the beam and the global order of the shapes it takes
-    (`tree_build.kernel_supports`, decided when traced), for ``"auto"`` only up to
-    `TREE_KERNEL_MAX_BUDGET` drafts; the vocabulary top-k before it
-    is XLA's. Under a mesh the XLA path runs (the kernel is not wrapped in ``shard_map``)."""
+    (`tree_build.kernel_supports`, decided when traced); the vocabulary top-k before it is XLA's. Under
+    a mesh the XLA path runs (the kernel is not wrapped in ``shard_map``)."""
     impl = check_impl("build_impl", impl)
     if _reference_only(impl, mesh):
         return tree_lib.build_tree_unchecked
@@ -279,7 +271,7 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
     def build(draft_logits_BLV, root_B, draft_temperature, *, budget, topk_cap):
         depth, vocab = draft_logits_BLV.shape[1:]
         k = tree_lib.top_k_width(budget, topk_cap, vocab)
-        if not tree_build_supports(budget, k, depth) or (impl == "auto" and budget > TREE_KERNEL_MAX_BUDGET):
+        if not tree_build_supports(budget, k, depth):
             return tree_lib.build_tree_unchecked(draft_logits_BLV, root_B, draft_temperature, budget=budget,
                                                  topk_cap=topk_cap)
         lp_BLK, tok_BLK = tree_lib.draft_top_k(draft_logits_BLV, draft_temperature, k)

@@ -214,8 +214,8 @@ def test_interpreted_tree_build_equals_the_xla_build(budget, topk_cap):
 
 
 def test_tree_build_dispatch(monkeypatch):
-    """XLA off a GPU, for ``xla`` and under a mesh; the kernel for ``interpret``/``pallas`` where it takes
-    the budget, and for ``auto`` on a GPU up to `TREE_KERNEL_MAX_BUDGET` drafts; XLA beyond."""
+    """XLA off a GPU, for ``xla`` and under a mesh; the kernel for ``interpret``/``pallas``, and for
+    ``auto`` on a GPU, where it takes the budget (powers of two up to 64); XLA beyond."""
     from ddtree_jax.sharding import make_mesh
     from ddtree_jax.tree import build_tree_unchecked
     assert kernels.tree_build_fn("auto") is build_tree_unchecked
@@ -236,12 +236,13 @@ def test_tree_build_dispatch(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
     auto, pallas = kernels.tree_build_fn("auto"), kernels.tree_build_fn("pallas")
-    tree = auto(logits, roots, 1.0, budget=kernels.TREE_KERNEL_MAX_BUDGET, topk_cap=4)
-    assert calls == [(kernels.TREE_KERNEL_MAX_BUDGET, 4, False)]
+    tree = auto(logits, roots, 1.0, budget=64, topk_cap=4)
+    assert calls == [(64, 4, False)]
     np.testing.assert_array_equal(np.asarray(tree.num_nodes), 1)  # the fake's empty trees, the root prepended
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 0]), np.asarray(roots))
-    jax.block_until_ready(auto(logits, roots, 1.0, budget=2 * kernels.TREE_KERNEL_MAX_BUDGET, topk_cap=4))
-    jax.block_until_ready(pallas(logits, roots, 1.0, budget=12, topk_cap=None))  # not a power of two: XLA
+    for build in (auto, pallas):
+        jax.block_until_ready(build(logits, roots, 1.0, budget=128, topk_cap=4))  # past the kernel's 64: XLA
+        jax.block_until_ready(build(logits, roots, 1.0, budget=12, topk_cap=None))  # not a power of two: XLA
     assert len(calls) == 1
-    pallas(logits, roots, 1.0, budget=2 * kernels.TREE_KERNEL_MAX_BUDGET, topk_cap=4)
-    assert calls[-1] == (2 * kernels.TREE_KERNEL_MAX_BUDGET, 4, False)
+    pallas(logits, roots, 1.0, budget=16, topk_cap=4)
+    assert calls[-1] == (16, 4, False)

@@ -120,14 +120,12 @@ def test_kernel_supports_power_of_two_budgets_up_to_64():
 
 
 def test_launches_and_the_shapes_they_take():
-    """The measured launches: chunks of 32, the merge and loads, 4 warps up to B = 16, 8 at 32 and 16 at
-    64 (one tile of B = 64's 280 candidates would be 512 wide). Each default takes every width its budget
-    allows."""
+    """The measured launches: chunks of 32, the search order and loads, 16 warps, 8 at B = 32 (one tile
+    of B = 64's 280 candidates would be 512 wide). Each default takes every width its budget allows."""
     assert candidate_chunks(16, 16, 0) == (64, 1) and candidate_chunks(64, 64, 32) == (32, 9)
-    loads = TreeBuildConfig(chunk=32, order="merge", gather="loads")
-    assert tree_build_config(16, 16) == tree_build_config(2, 1) == loads
-    assert tree_build_config(32, 32) == dataclasses.replace(loads, num_warps=8)
-    assert tree_build_config(64, 64) == dataclasses.replace(loads, num_warps=16)
+    search = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="loads")
+    assert tree_build_config(16, 16) == tree_build_config(2, 1) == tree_build_config(64, 64) == search
+    assert tree_build_config(32, 32) == dataclasses.replace(search, num_warps=8)
     assert all(tree_build_config(b, k).supports(b, k) for b in (2, 4, 8, 16, 32, 64) for k in range(1, b + 1))
     assert not TreeBuildConfig().supports(64, 64)  # a 512-wide tile
     assert not TreeBuildConfig(chunk=32).supports(64, 64)  # the count order past 32
