@@ -297,6 +297,7 @@ def check_kv_write(interpret=False, cases=KV_WRITE_CASES):
 # besides the default launches (the search order, gathers by loads), the merge and count orders, one-hot
 # gathers and the search with 4 warps
 MERGE_32 = TreeBuildConfig(num_warps=8, chunk=32, order="merge")
+MERGE_LOADS_64 = TreeBuildConfig(num_warps=16, chunk=32, order="merge", gather="loads")
 TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False, None), (8, 15, 151_936, 16, 16, True, None),
                     (1, 15, 151_936, 32, 32, True, None), (8, 15, 151_936, 32, 8, False, None),
                     (2, 15, 151_936, 16, 1, True, None), (1, 15, 151_936, 64, 64, True, None),
@@ -305,7 +306,7 @@ TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False, None), (8, 15, 151_936, 16, 1
                     (8, 15, 151_936, 16, 16, True, TreeBuildConfig(gather="loads")),
                     (1, 15, 151_936, 16, 4, False, TreeBuildConfig()),
                     (1, 15, 151_936, 64, 4, True, None),
-                    (8, 15, 151_936, 64, 64, True, TreeBuildConfig(num_warps=16, chunk=32, order="merge", gather="loads")),
+                    (8, 15, 151_936, 64, 64, True, MERGE_LOADS_64),
                     (1, 15, 151_936, 16, 4, False, TreeBuildConfig(chunk=32, order="search", gather="loads"))]
 
 
