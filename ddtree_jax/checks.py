@@ -82,10 +82,10 @@ def per_request(name: str, value, batch: int, dtype) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
 
-def _bad(name: str, host: np.ndarray, ok: np.ndarray, rule: str) -> None:
+def _bad(name: str, host: np.ndarray, ok: np.ndarray, rule: str, verb: str = "be") -> None:
     if not np.all(ok):
         bad = host[~ok].ravel()[:4].tolist()
-        raise ValueError(f"{name} must be {rule}, got {bad[0] if host.ndim == 0 else bad}")
+        raise ValueError(f"{name} must {verb} {rule}, got {bad[0] if host.ndim == 0 else bad}")
 
 
 def non_negative(name: str, x, rule: str = ">= 0") -> None:
@@ -119,13 +119,11 @@ def finite(name: str, x) -> None:
 
 
 def token_range(name: str, x, vocab: int) -> None:
-    """Raise when a concrete integer array holds ids outside ``[0, vocab)``."""
+    """Raise, naming ``name`` and up to four of the ids, when a concrete integer array holds ids outside
+    ``[0, vocab)``."""
     if is_concrete(x):
         host = np.asarray(x)
-        if host.size and (host.min() < 0 or host.max() >= vocab):
-            bad = host[(host < 0) | (host >= vocab)].ravel()[:4].tolist()
-            raise ValueError(f"{name} must hold token ids in [0, {vocab}), got {bad}")
-
+        _bad(name, host, (host >= 0) & (host < vocab), f"token ids in [0, {vocab})", verb="hold")
 
 
 def distributions(name: str, x, *, atol: float = 1e-3) -> None:

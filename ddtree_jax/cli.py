@@ -129,9 +129,7 @@ def _prompt_ids(args, tokenizer, vocab: int) -> list[int]:
             ids = [int(x) for x in args.prompt_ids.split(",")]
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"--prompt-ids must hold token ids in [0, {vocab}), got {bad[:4]}")
+        checks.token_range("--prompt-ids", ids, vocab)
         return ids
     if tokenizer is None:
         raise ValueError(f"--target {args.target} has no tokenizer.json; pass --prompt-ids")

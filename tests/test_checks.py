@@ -109,3 +109,13 @@ def test_non_negative_names_the_entries_below_zero():
         checks.non_negative("lengths", np.array([[1, -2], [-1, 0]]))
     with pytest.raises(ValueError, match="ids must be token ids >= 0, got -5"):
         checks.non_negative("ids", np.int32(-5), "token ids >= 0")
+
+
+def test_token_range_names_up_to_four_ids_outside_the_vocabulary():
+    checks.token_range("ids", [0, 4], 5)
+    checks.token_range("ids", np.zeros((0,), np.int32), 5)
+    jax.jit(lambda x: checks.token_range("ids", x, 5))(np.array([9]))  # a tracer: nothing to read
+    with pytest.raises(ValueError, match=r"ids must hold token ids in \[0, 5\), got \[-1, 5, 6, 7\]$"):
+        checks.token_range("ids", np.array([[-1, 2, 5], [6, 7, 8]]), 5)
+    with pytest.raises(ValueError, match=r"root must hold token ids in \[0, 5\), got 9$"):
+        checks.token_range("root", np.int32(9), 5)
