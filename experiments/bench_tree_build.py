@@ -21,7 +21,7 @@ budget B (``--topk-cap``, default none, so K = B):
                 = the beam and global order alone (from the top-K), XLA's and the kernel's, per call
                   of 20 in one jitted loop; ``--kernel-variants w16,w8c32m`` adds
                   ``beam_kernel_<variant>_in_loop`` (and ``kernel_<variant>_equal``): the kernel with
-                  another launch (`parse_variant`: warps, candidates a count tile, the merge order,
+                  another launch (`parse_variant`: warps, candidates a count tile, the merge or search order,
                   candidates gathered by loads)
                   than the library's (`tree_build.tree_build_config`)
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and

@@ -9,7 +9,7 @@ global order's own; here the whole of it is one program per request:
 - each depth's candidates are the static pairs (beam entry ``i``, rank ``r``) with
   ``(i + 1)(r + 1) <= B``, gathered from the beam and the depth's row by one-hot reductions
   (``gather="onehot"``) or by indexed loads, each depth's beam stored as a row of scratch outputs
-  behind a barrier (``gather="loads"``; the merge order then loads the rows' heads too), in chunks of
+  behind a barrier (``gather="loads"``; the merge and search orders then load the rows too), in chunks of
   ``chunk`` candidates (`TreeBuildConfig`; ``0``: one chunk of all of them);
 - a candidate's rank is a pairwise count over (``-logw``, packed rank-tuple words, index), chunk
   against chunk, so that no tile is larger than ``chunk x chunk``; the new beam is a one-hot
