@@ -23,9 +23,10 @@ global order's own; here the whole of it is one program per request:
   but the sum of the places).
 
 The result equals `tree_build_reference` (and the library's ``tree_from_top_k``), ties included:
-the same keys and the same tie rule. The counts grow as ``L (B ln B)^2``; the kernel takes budgets
-that are powers of two up to `MAX_BUDGET` (`kernel_supports`), each with the launch of
-`tree_build_config` unless told otherwise.
+the same keys and the same tie rule. The counts grow as ``L (B ln B)^2``; the kernel takes budgets up
+to `MAX_BUDGET` (`kernel_supports`), each with the launch of `tree_build_config` unless told otherwise.
+Its beams are a power of two wide: a budget between two is built at the next one, whose first ``B``
+nodes are the ``B``-node tree (an entry's predecessors in the order are all in the wider beams).
 """
 
 from __future__ import annotations
@@ -122,9 +123,10 @@ def candidate_chunks(budget: int, k: int, chunk: int) -> tuple[int, int]:
 
 
 def kernel_supports(budget: int, k: int, depth: int) -> bool:
-    """Whether the kernel takes this shape: ``budget`` a power of two in [2, `MAX_BUDGET`], ``1 <= k <=
-    budget`` and ``depth <= MAX_DEPTH`` (`tree_build_config` then gives a launch that takes it)."""
-    return 2 <= budget <= MAX_BUDGET and budget & (budget - 1) == 0 and 1 <= k <= budget and 1 <= depth <= MAX_DEPTH
+    """Whether the kernel takes this shape: ``budget`` in [2, `MAX_BUDGET`], ``1 <= k <= budget`` and
+    ``depth <= MAX_DEPTH`` (`tree_build_config` of the beams' width, the next power of two, then gives a
+    launch that takes it)."""
+    return 2 <= budget <= MAX_BUDGET and 1 <= k <= budget and 1 <= depth <= MAX_DEPTH
 
 
 def tree_nodes(lp_BLK, tok_BLK, *, budget: int, config: TreeBuildConfig | None = None, interpret: bool = False):
@@ -137,7 +139,8 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, config: TreeBuildConfig | None =
         (``-inf`` where a depth has fewer than ``K`` tokens).
       tok_BLK: int32 ``[batch, L, K]`` their token ids (ties by lower id first).
       budget: nodes besides the root; `kernel_supports` must hold.
-      config: the launch (default `tree_build_config`); ``config.supports(budget, K)`` must hold.
+      config: the launch (default `tree_build_config` of the beams' width ``W``, ``budget``'s next power
+        of two); ``config.supports(W, K)`` must hold.
       interpret: run in the Pallas interpreter.
     """
     if jnp.ndim(lp_BLK) != 3:
@@ -148,11 +151,14 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, config: TreeBuildConfig | None =
     if not kernel_supports(budget, k, depth):
         raise ValueError(f"the tree-build kernel does not take budget {budget} with k {k} and depth {depth} "
                          f"(kernel_supports)")
-    config = tree_build_config(budget, k) if config is None else config
-    if not isinstance(config, TreeBuildConfig) or not config.supports(budget, k):
-        raise ValueError(f"config {config!r} does not take budget {budget} with k {k} (TreeBuildConfig.supports)")
-    return _tree_nodes(jnp.asarray(lp_BLK, jnp.float32), jnp.asarray(tok_BLK, jnp.int32), budget=int(budget),
-                       config=config, interpret=bool(interpret))
+    width = _pow2(budget)
+    config = tree_build_config(width, k) if config is None else config
+    if not isinstance(config, TreeBuildConfig) or not config.supports(width, k):
+        raise ValueError(f"config {config!r} does not take budget {budget} (beams {width} wide) with k {k} "
+                         f"(TreeBuildConfig.supports)")
+    nodes = _tree_nodes(jnp.asarray(lp_BLK, jnp.float32), jnp.asarray(tok_BLK, jnp.int32), budget=width,
+                        config=config, interpret=bool(interpret))
+    return tuple(field[:, :budget] for field in nodes)
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "config", "interpret"))

@@ -65,7 +65,8 @@ SEARCH_64 = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="load
 # 15 and the most, 16; rank tuples in one word (k = 1) and in several (k = 16, 32, 64: three, four and
 # four words at depth 15); fewer candidate paths than the budget (vocab 3: padding nodes, -inf entries
 # in the rows); one count tile and chunks of 8 to 64 candidates (a last chunk part padding); the count
-# order, the merge and the search; candidates gathered by one-hot reductions and by loads.
+# order, the merge and the search; candidates gathered by one-hot reductions and by loads; budgets between
+# powers of two (3, 5, 15, 24, 63: built as the first nodes of the next power of two's tree).
 SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8, None), (2, 3, 3, 16, 3, None),
           (1, 1, 50, 4, 4, None), (2, 16, 100, 32, 4, None), (1, 7, 64, 16, 1, None), (2, 9, 64, 32, 32, None),
           (1, 2, 5, 2, 2, None), (2, 15, 300, 64, 64, None),
@@ -77,7 +78,9 @@ SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8
           (2, 3, 3, 16, 3, TreeBuildConfig(order="merge", gather="loads")),
           (2, 15, 300, 64, 64, TreeBuildConfig(num_warps=16, chunk=32, order="merge")),
           (2, 15, 300, 16, 16, SEARCH), (2, 3, 3, 16, 3, SEARCH), (1, 2, 5, 2, 2, SEARCH), (1, 1, 50, 4, 4, SEARCH),
-          (1, 16, 40, 64, 4, SEARCH_64), (2, 15, 300, 64, 64, SEARCH_64)]
+          (1, 16, 40, 64, 4, SEARCH_64), (2, 15, 300, 64, 64, SEARCH_64),
+          (2, 15, 300, 15, 15, None), (1, 15, 300, 63, 4, None), (2, 3, 3, 5, 3, None), (1, 4, 40, 3, 2, MERGE),
+          (2, 9, 64, 24, 8, COUNT)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -103,7 +106,7 @@ def test_reference_equals_library_beyond_the_kernel(budget, k):
     (64, 64, 15, None), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=64, order="merge")),
     (16, 16, 15, TreeBuildConfig(chunk=16, order="merge")), (2, 1, 1, TreeBuildConfig(num_warps=1)),
     (16, 16, 15, LOADS), (16, 16, 15, COUNT), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=32, order="merge")),
-    (16, 4, 15, SEARCH), (64, 4, 15, SEARCH_64), (64, 64, 16, SEARCH_64)])
+    (16, 4, 15, SEARCH), (64, 4, 15, SEARCH_64), (64, 64, 16, SEARCH_64), (63, 4, 15, None)])
 def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
     (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, config=config), *shapes)
@@ -112,10 +115,11 @@ def test_triton_lowering_verifies(budget, k, depth, config):
     assert ("gpu.barrier" in module) == ((config or tree_build_config(budget, k)).gather == "loads")
 
 
-def test_kernel_supports_power_of_two_budgets_up_to_64():
+def test_kernel_supports_budgets_up_to_64():
     assert kernel_supports(16, 16, 15) and kernel_supports(64, 64, 16) and kernel_supports(2, 1, 1)
-    assert not kernel_supports(24, 8, 15)  # not a power of two
-    assert not kernel_supports(2 * MAX_BUDGET, 4, 15) and not kernel_supports(16, 32, 15)  # k > budget
+    assert kernel_supports(24, 8, 15) and kernel_supports(63, 4, 15)  # beams 32 and 64 wide
+    assert not kernel_supports(1, 1, 15) and not kernel_supports(MAX_BUDGET + 1, 4, 15)
+    assert not kernel_supports(16, 32, 15)  # k > budget
     assert not kernel_supports(16, 16, 17)  # deeper than MAX_DEPTH
 
 
@@ -135,13 +139,13 @@ def test_launches_and_the_shapes_they_take():
 
 def test_bad_input_raises_clear_errors():
     lp, ids = top_k_rows(0, 1, 3, 20, 4, False)
-    with pytest.raises(ValueError, match="does not take budget 12"):
-        tree_nodes(lp, ids, budget=12)
+    with pytest.raises(ValueError, match="does not take budget 65"):
+        tree_nodes(lp, ids, budget=65)
     with pytest.raises(ValueError, match="tok_BLK must have the shape"):
         tree_nodes(lp, ids[:, :2], budget=4)
     with pytest.raises(ValueError, match=r"lp_BLK must be \[batch, L, K\]"):
         tree_nodes(lp[0], ids[0], budget=4)
-    with pytest.raises(ValueError, match="does not take budget 64 with k 4"):
+    with pytest.raises(ValueError, match=r"does not take budget 64 \(beams 64 wide\) with k 4"):
         tree_nodes(*top_k_rows(0, 1, 3, 20, 4, False), budget=64, config=TreeBuildConfig(chunk=8))
     with pytest.raises(ValueError, match="config 4 does not take"):
         tree_nodes(lp, ids, budget=4, config=4)
