@@ -22,7 +22,7 @@ budget B (``--topk-cap``, default none, so K = B):
                   of 20 in one jitted loop; ``--kernel-variants w16,w8c32m`` adds
                   ``beam_kernel_<variant>_in_loop`` (and ``kernel_<variant>_equal``): the kernel with
                   another launch (`parse_variant`: warps, candidates a count tile, the merge or search order,
-                  candidates gathered by loads)
+                  candidates gathered by loads, the beam picked by stores)
                   than the library's (`tree_build.tree_build_config`)
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
@@ -183,16 +183,17 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
 def parse_variant(name: str) -> TreeBuildConfig:
     """A tree-build launch from its name: ``w<warps>`` (default 4), ``c<candidates a count tile>``
     (default 0, one tile), ``m`` for the merge order or ``s`` for the search order (else the count
-    order) and ``g`` for candidates gathered by loads (else one-hot reductions), in that order: ``w16``,
-    ``c32m``, ``w16c32mg``, ``w16c32sg``."""
-    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?([ms]?)(g?)", name)
+    order), ``g`` for candidates gathered by loads (else one-hot reductions) and ``p`` for the beam
+    picked by stores at the ranks (else one-hot reductions), in that order: ``w16``, ``c32m``,
+    ``w16c32mg``, ``w16c32sg``, ``w16c32sgp``."""
+    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?([ms]?)(g?)(p?)", name)
     if not name or match is None:
-        raise ValueError(f"a kernel variant is w<warps>, c<chunk>, m (merge) or s (search) and g (loads) in that "
-                         f"order, got {name!r}")
-    warps, chunk, order, loads = match.groups()
+        raise ValueError(f"a kernel variant is w<warps>, c<chunk>, m (merge) or s (search), g (loads) and p "
+                         f"(stores) in that order, got {name!r}")
+    warps, chunk, order, loads, stores = match.groups()
     return TreeBuildConfig(num_warps=int(warps or 4), chunk=int(chunk or 0),
                            order={"m": "merge", "s": "search", "": "count"}[order],
-                           gather="loads" if loads else "onehot")
+                           gather="loads" if loads else "onehot", pick="scatter" if stores else "onehot")
 
 
 def main(argv=None) -> int:
@@ -204,9 +205,9 @@ def main(argv=None) -> int:
     ap.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the trees (0 = none)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--kernel-variants", default="",
-                    help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk>[m|s]g "
-                         "(each part optional; m: the merge order, s: the search order, which needs g; g: loads), "
-                         "e.g. w16,c32m,w16c32mg,w16c32sg")
+                    help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk>[m|s]gp "
+                         "(each part optional; m: the merge order, s: the search order, which needs g; g: loads; "
+                         "p: the beam picked by stores, which needs s), e.g. w16,c32m,w16c32mg,w16c32sg,w16c32sgp")
     ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)

@@ -295,9 +295,10 @@ def check_kv_write(interpret=False, cases=KV_WRITE_CASES):
 # (batch, depth, vocab, budget, k, ties, launch: None for `tree_build.tree_build_config`'s) of the tree-build
 # kernel: the CLI's default tree (16, cap 4), budgets 16 to 64 uncapped and capped, a chain, at batch 1 to 8;
 # besides the default launches (the search order, gathers by loads), the merge and count orders, one-hot
-# gathers and the search with 4 warps
+# gathers, the search with 4 warps and the beam picked by stores
 MERGE_32 = TreeBuildConfig(num_warps=8, chunk=32, order="merge")
 MERGE_LOADS_64 = TreeBuildConfig(num_warps=16, chunk=32, order="merge", gather="loads")
+SCATTER_64 = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="loads", pick="scatter")
 TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False, None), (8, 15, 151_936, 16, 16, True, None),
                     (1, 15, 151_936, 32, 32, True, None), (8, 15, 151_936, 32, 8, False, None),
                     (2, 15, 151_936, 16, 1, True, None), (1, 15, 151_936, 64, 64, True, None),
@@ -307,7 +308,8 @@ TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False, None), (8, 15, 151_936, 16, 1
                     (1, 15, 151_936, 16, 4, False, TreeBuildConfig()),
                     (1, 15, 151_936, 64, 4, True, None),
                     (8, 15, 151_936, 64, 64, True, MERGE_LOADS_64),
-                    (1, 15, 151_936, 16, 4, False, TreeBuildConfig(chunk=32, order="search", gather="loads"))]
+                    (1, 15, 151_936, 16, 4, False, TreeBuildConfig(chunk=32, order="search", gather="loads")),
+                    (1, 15, 151_936, 64, 4, True, SCATTER_64)]
 
 
 def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):

@@ -13,7 +13,10 @@ global order's own; here the whole of it is one program per request:
   ``chunk`` candidates (`TreeBuildConfig`; ``0``: one chunk of all of them);
 - a candidate's rank is a pairwise count over (``-logw``, packed rank-tuple words, index), chunk
   against chunk, so that no tile is larger than ``chunk x chunk``; the new beam is a one-hot
-  selection by rank, the beams kept as rows of ``[L2, B]`` tiles;
+  selection by rank, the beams kept as rows of ``[L2, B]`` tiles (``pick="onehot"``), or each
+  candidate's fields are stored at its rank in the depth's scratch row, as wide as the candidates so
+  that every store has a slot of its own, the rows loaded back as tiles after the last depth
+  (``pick="scatter"``, with the search order);
 - the global order either counts, for each depth row of the tiles, the entries of every row before
   it (``order="count"``: ``[L2, B, B]`` tiles, budgets up to `COUNT_ORDER_MAX_BUDGET`), or merges the
   rows, which are each sorted already: ``B`` steps that pop the best row head (``order="merge"``:
@@ -48,6 +51,7 @@ COUNT_ORDER_MAX_BUDGET = 32  # the count order's [L2, B, B] tiles
 WARPS = (1, 2, 4, 8, 16)
 ORDERS = ("count", "merge", "search")
 GATHERS = ("onehot", "loads")
+PICKS = ("onehot", "scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +60,13 @@ class TreeBuildConfig:
     ``chunk`` candidates a count tile side (``0``: all of a depth's candidates in one tile, padded
     to a power of two; else a power of two in [8, `MAX_TILE`]), ``order`` of the beams (`ORDERS`),
     ``gather`` of a depth's candidates from the beam and the row, and of the merge's row heads
-    (`GATHERS`)."""
+    (`GATHERS`), ``pick`` of the new beam from the ranked candidates (`PICKS`)."""
 
     num_warps: int = 4
     chunk: int = 0
     order: str = "count"
     gather: str = "onehot"
+    pick: str = "onehot"
 
     def __post_init__(self):
         if self.num_warps not in WARPS:
@@ -76,6 +81,11 @@ class TreeBuildConfig:
         if self.order == "search" and self.gather != "loads":
             raise ValueError(f"TreeBuildConfig.order='search' loads the stored rows: it needs gather='loads', "
                              f"got gather={self.gather!r}")
+        if self.pick not in PICKS:
+            raise ValueError(f"TreeBuildConfig.pick must be one of {PICKS}, got {self.pick!r}")
+        if self.pick == "scatter" and self.order != "search":
+            raise ValueError(f"TreeBuildConfig.pick='scatter' keeps the beams in the scratch rows only: it needs "
+                             f"order='search', got order={self.order!r}")
 
     def supports(self, budget: int, k: int) -> bool:
         """Whether this launch takes a budget and width `kernel_supports` takes: its count tiles
@@ -176,7 +186,7 @@ def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
     bits, per_word, words = rank_packing(k, depth)
     kernel = functools.partial(_kernel, budget=budget, k=k, depth=depth, bits=bits, per_word=per_word, words=words,
                                tile=tile, chunks=chunks, order=config.order, gather=config.gather,
-                               barrier=not interpret)
+                               pick=config.pick, barrier=not interpret)
     row_spec = pl.BlockSpec((None, depth2, k2), lambda b: (b, 0, 0))
     pair_spec = pl.BlockSpec((tile * chunks,), lambda b: (0,))
     slots = depth2 * budget if config.order == "search" else budget  # search: every entry stored at its place
@@ -184,13 +194,14 @@ def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
     ints, floats = jax.ShapeDtypeStruct((batch, slots), jnp.int32), jax.ShapeDtypeStruct((batch, slots), jnp.float32)
     out_specs, out_shape = [out_spec] * 4, [ints, ints, ints, floats]
     if config.gather == "loads":  # scratch: each depth's beam, which the candidates and the merge load from
-        tile_spec = pl.BlockSpec((None, depth2, budget), lambda b: (b, 0, 0))
-        out_specs += [tile_spec] * 3 + [pl.BlockSpec((None, words, depth2, budget), lambda b: (b, 0, 0, 0))]
+        row = tile * chunks if config.pick == "scatter" else budget  # scatter: a slot for every candidate
+        beam_spec = pl.BlockSpec((None, depth2, row), lambda b: (b, 0, 0))
+        out_specs += [beam_spec] * 3 + [pl.BlockSpec((None, words, depth2, row), lambda b: (b, 0, 0, 0))]
         out_shape += [jax.ShapeDtypeStruct((batch, *shape), dtype) for shape, dtype in (
-            ((depth2, budget), jnp.float32), ((depth2, budget), jnp.int32), ((depth2, budget), jnp.int32),
-            ((words, depth2, budget), jnp.int32))]
+            ((depth2, row), jnp.float32), ((depth2, row), jnp.int32), ((depth2, row), jnp.int32),
+            ((words, depth2, row), jnp.int32))]
     if config.order == "search":  # scratch: each entry's place, which its children load
-        out_specs.append(tile_spec)
+        out_specs.append(pl.BlockSpec((None, depth2, budget), lambda b: (b, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((batch, depth2, budget), jnp.int32))
     fields = pl.pallas_call(
         kernel, grid=(batch,), in_specs=[row_spec, row_spec, pair_spec, pair_spec], out_specs=out_specs,
@@ -228,10 +239,11 @@ def _precedes(keys_q, keys_p, before):
 
 
 def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out, logw_out, *scratch, budget, k,
-            depth, bits, per_word, words, tile, chunks, order, gather, barrier):
+            depth, bits, per_word, words, tile, chunks, order, gather, pick, barrier):
     """Program b: request b's beam over the ``[L2, K2]`` rows, then its ``budget`` first entries.
     ``scratch``: with ``gather="loads"``, every depth's beam as a row, ``[L2, B]`` logw, tokens and
-    parents and ``[words, L2, B]`` rank words, and with ``order="search"`` the ``[L2, B]`` places of
+    parents and ``[words, L2, B]`` rank words (rows as wide as a depth's padded candidates with
+    ``pick="scatter"``, the beam their first ``B`` entries), and with ``order="search"`` the ``[L2, B]`` places of
     the entries; ``barrier``: whether to synchronise the program's threads
     between their stores and loads (not in the interpreter, which runs them in order)."""
     neg = jnp.float32(-jnp.inf)
@@ -258,9 +270,9 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
         thread may load it."""
         logw_buf, tok_buf, par_buf, words_buf = scratch[:4]
         for buf, values in ((logw_buf, logw), (tok_buf, tok), (par_buf, parent)):
-            buf[pl.ds(d, 1), :] = values[None, :]
+            buf[pl.ds(d, 1), pl.ds(0, width)] = values[None, :]
         for x, w in enumerate(beam_words):
-            words_buf[x, pl.ds(d, 1), :] = w[None, :]
+            words_buf[x, pl.ds(d, 1), pl.ds(0, width)] = w[None, :]
         if barrier:
             plt.debug_barrier()
 
@@ -318,10 +330,35 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
                 jnp.where(at_row, parent[None, :], acc_par),
                 [jnp.where(at_row, w[None, :], a) for w, a in zip(beam_words, acc_words)])
 
+    def extend_by_stores(d, carry):
+        """``pick="scatter"``: each candidate's fields stored at its rank in row d of the scratch, then a
+        barrier; ranks are distinct and the row has a slot for each candidate."""
+        logw_buf, tok_buf, par_buf, words_buf = scratch[:4]
+        cands = [candidates(d, None, None, pair_i, pair_r) for pair_i, pair_r in pair_chunks]
+        keys = [[-cand_logw, *cand_words] for cand_logw, _, cand_words in cands]
+        d_T = jnp.full((tile,), d, jnp.int32)
+        for a, ((cand_logw, cand_tok, cand_words), (pair_i, _)) in enumerate(zip(cands, pair_chunks)):
+            slot = rank(keys[a], keys, a)
+            for buf, values in ((logw_buf, cand_logw), (tok_buf, cand_tok), (par_buf, pair_i)):
+                plt.store(buf.at[d_T, slot], values)
+            for x, w in enumerate(cand_words):
+                plt.store(words_buf.at[jnp.full((tile,), x, jnp.int32), d_T, slot], w)
+        if barrier:
+            plt.debug_barrier()
+        return carry
+
     if gather == "loads":
         publish(0, logw, tok, jnp.full((width,), -1, jnp.int32), beam_words)
-    carry = (logw, beam_words, acc_logw, acc_tok, acc_par, acc_words)
-    _, _, acc_logw, acc_tok, acc_par, acc_words = jax.lax.fori_loop(1, depth, extend, carry)
+    if pick == "scatter":  # the beams back from the scratch rows; rows past the last depth are padding
+        jax.lax.fori_loop(1, depth, extend_by_stores, jnp.int32(0))
+        logw_buf, tok_buf, par_buf, words_buf = scratch[:4]
+        live, beam = rows < depth, pl.ds(0, width)
+        acc_logw = jnp.where(live, logw_buf[:, beam], neg)
+        acc_tok, acc_par = jnp.where(live, tok_buf[:, beam], 0), jnp.where(live, par_buf[:, beam], -1)
+        acc_words = [jnp.where(live, words_buf[x, :, beam], 0) for x in range(words)]
+    else:
+        carry = (logw, beam_words, acc_logw, acc_tok, acc_par, acc_words)
+        _, _, acc_logw, acc_tok, acc_par, acc_words = jax.lax.fori_loop(1, depth, extend, carry)
     if order == "count":
         fields = _count_order(acc_logw, acc_tok, acc_par, acc_words, budget=budget)
     elif order == "search":
@@ -385,9 +422,10 @@ def _search_order(acc_logw, acc_tok, acc_par, acc_words, outs, scratch, *, barri
     logw_buf, _, _, words_buf, place_buf = scratch
     depth2, width = acc_logw.shape
     rows, cols = _iota((depth2, width), 0), _iota((depth2, width), 1)
-    logw_buf[...] = acc_logw  # the rows past the last depth too, which the beam left unstored
+    beam = pl.ds(0, width)
+    logw_buf[:, beam] = acc_logw  # the rows past the last depth too, which the beam left unstored
     for x, w in enumerate(acc_words):
-        words_buf[x, :, :] = w
+        words_buf[x, :, beam] = w
     if barrier:
         plt.debug_barrier()
 

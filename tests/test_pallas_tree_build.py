@@ -60,12 +60,15 @@ MERGE = TreeBuildConfig(chunk=8, order="merge")
 LOADS = TreeBuildConfig(gather="loads")
 SEARCH = TreeBuildConfig(order="search", gather="loads")
 SEARCH_64 = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="loads")
+SCATTER = TreeBuildConfig(order="search", gather="loads", pick="scatter")
+SCATTER_64 = dataclasses.replace(SEARCH_64, pick="scatter")
 # (batch, depth, vocab, budget, k, launch; None: `tree_build_config`'s): compiled once each. Budgets 2
 # to 64 with k = budget and below it (a per-depth cap, k = 1 a chain), depth 1, the embedded drafter's
 # 15 and the most, 16; rank tuples in one word (k = 1) and in several (k = 16, 32, 64: three, four and
 # four words at depth 15); fewer candidate paths than the budget (vocab 3: padding nodes, -inf entries
 # in the rows); one count tile and chunks of 8 to 64 candidates (a last chunk part padding); the count
-# order, the merge and the search; candidates gathered by one-hot reductions and by loads; budgets between
+# order, the merge and the search; candidates gathered by one-hot reductions and by loads; the new beam
+# picked by one-hot reductions and by stores at the candidates' ranks; budgets between
 # powers of two (3, 5, 15, 24, 63: built as the first nodes of the next power of two's tree).
 SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8, None), (2, 3, 3, 16, 3, None),
           (1, 1, 50, 4, 4, None), (2, 16, 100, 32, 4, None), (1, 7, 64, 16, 1, None), (2, 9, 64, 32, 32, None),
@@ -80,7 +83,9 @@ SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8
           (2, 15, 300, 16, 16, SEARCH), (2, 3, 3, 16, 3, SEARCH), (1, 2, 5, 2, 2, SEARCH), (1, 1, 50, 4, 4, SEARCH),
           (1, 16, 40, 64, 4, SEARCH_64), (2, 15, 300, 64, 64, SEARCH_64),
           (2, 15, 300, 15, 15, None), (1, 15, 300, 63, 4, None), (2, 3, 3, 5, 3, None), (1, 4, 40, 3, 2, MERGE),
-          (2, 9, 64, 24, 8, COUNT)]
+          (2, 9, 64, 24, 8, COUNT),
+          (2, 15, 300, 16, 16, SCATTER), (2, 3, 3, 16, 3, SCATTER), (1, 2, 5, 2, 2, SCATTER), (1, 1, 50, 4, 4, SCATTER),
+          (1, 16, 40, 63, 4, SCATTER_64), (2, 15, 300, 64, 64, SCATTER_64)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -106,7 +111,8 @@ def test_reference_equals_library_beyond_the_kernel(budget, k):
     (64, 64, 15, None), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=64, order="merge")),
     (16, 16, 15, TreeBuildConfig(chunk=16, order="merge")), (2, 1, 1, TreeBuildConfig(num_warps=1)),
     (16, 16, 15, LOADS), (16, 16, 15, COUNT), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=32, order="merge")),
-    (16, 4, 15, SEARCH), (64, 4, 15, SEARCH_64), (64, 64, 16, SEARCH_64), (63, 4, 15, None)])
+    (16, 4, 15, SEARCH), (64, 4, 15, SEARCH_64), (64, 64, 16, SEARCH_64), (63, 4, 15, None),
+    (16, 4, 15, SCATTER), (64, 4, 15, SCATTER_64)])
 def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
     (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, config=config), *shapes)
@@ -152,9 +158,12 @@ def test_bad_input_raises_clear_errors():
     for field, value, message in [("num_warps", 3, "num_warps must be one of"), ("chunk", 12, "chunk must be 0 or"),
                                   ("chunk", 256, "chunk must be 0 or"), ("order", "sort", "order must be one of"),
                                   ("gather", "scan", "gather must be one of"),
-                                  ("order", "search", "needs gather='loads'")]:
+                                  ("order", "search", "needs gather='loads'"),
+                                  ("pick", "gather", "pick must be one of")]:
         with pytest.raises(ValueError, match=message):
             TreeBuildConfig(**{field: value})
+    with pytest.raises(ValueError, match="pick='scatter' keeps the beams in the scratch rows only: it needs order="):
+        TreeBuildConfig(gather="loads", order="merge", pick="scatter")
 
 
 def test_gpu_equality_script_tree_build_part_runs_interpreted(monkeypatch):
