@@ -242,10 +242,10 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
             depth, bits, per_word, words, tile, chunks, order, gather, pick, barrier):
     """Program b: request b's beam over the ``[L2, K2]`` rows, then its ``budget`` first entries.
     ``scratch``: with ``gather="loads"``, every depth's beam as a row, ``[L2, B]`` logw, tokens and
-    parents and ``[words, L2, B]`` rank words (rows as wide as a depth's padded candidates with
-    ``pick="scatter"``, the beam their first ``B`` entries), and with ``order="search"`` the ``[L2, B]`` places of
-    the entries; ``barrier``: whether to synchronise the program's threads
-    between their stores and loads (not in the interpreter, which runs them in order)."""
+    parents and ``[words, L2, B]`` rank words (with ``pick="scatter"`` the rows are as wide as a depth's
+    padded candidates, the beam their first ``B`` entries), and with ``order="search"`` the ``[L2, B]``
+    places of the entries; ``barrier``: whether to synchronise the program's threads between their
+    stores and loads (not in the interpreter, which runs them in order)."""
     neg = jnp.float32(-jnp.inf)
     depth2, k2 = lp_ref.shape
     width = budget
