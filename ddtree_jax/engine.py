@@ -495,7 +495,8 @@ def generate(
       stop_tokens: token ids (a sequence, possibly empty); generation of a request ends after it emits one
         of these.
       request_ids: int ``[batch]`` in ``[0, 2**31)``, default ``arange(batch)``.
-      max_len: KV cache slots per request (default: just enough).
+      max_len: KV cache slots per request (default: just enough; at most the target's
+        ``max_position_embeddings`` + the tree's nodes + 1, the most a request can use).
       with_expected: compute the exact expected acceptance per round (costs a full target law per node).
       attention_impl: ``"auto" | "xla" | "pallas" | "interpret"``: the Pallas tree-attention kernel on a
         supported GPU (auto; per device inside ``shard_map`` with a ``mesh``), the XLA path, or the kernel
@@ -562,6 +563,10 @@ def generate(
     elif checks.positive_int("max_len", max_len) < needed:
         raise ValueError(f"max_len={max_len} is too small: prompts of up to {prompt_BT.shape[1]} tokens plus "
                          f"max_new_tokens={max_new_tokens} and a tree of {spec.num_nodes} nodes need {needed} slots")
+    elif max_len > (most := target.config.max_position_embeddings + spec.num_nodes + 1):
+        raise ValueError(f"max_len={max_len} exceeds the {most} slots a request can use (the target's "
+                         f"max_position_embeddings={target.config.max_position_embeddings} and a tree of "
+                         f"{spec.num_nodes} nodes): a larger cache is never written")
     last_position = int(prompt_BT.shape[1]) + max_new_tokens + spec.depth
     if last_position > target.config.max_position_embeddings:
         raise ValueError(f"prompt length {prompt_BT.shape[1]} + max_new_tokens {max_new_tokens} (+ {spec.depth} "

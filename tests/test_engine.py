@@ -281,6 +281,7 @@ def test_streamed_tokens_are_the_returned_tokens_and_stop_at_max_new_tokens():
         (dict(top_k=-2), "top_k"),
         (dict(draft_temperature=0.0), "draft_temperature"),
         (dict(max_len=8), "max_len"),
+        (dict(max_len=10**9), "max_len=1000000000 exceeds the .* slots a request can use"),
         (dict(max_new_tokens=10**6), "max_position_embeddings"),
         (dict(stop_tokens=[50]), "stop_tokens"),
         (dict(stop_tokens=5), "stop_tokens must be a sequence of integers"),
