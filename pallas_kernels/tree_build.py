@@ -166,43 +166,43 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, config: TreeBuildConfig | None =
     if not isinstance(config, TreeBuildConfig) or not config.supports(width, k):
         raise ValueError(f"config {config!r} does not take budget {budget} (beams {width} wide) with k {k} "
                          f"(TreeBuildConfig.supports)")
-    nodes = _tree_nodes(jnp.asarray(lp_BLK, jnp.float32), jnp.asarray(tok_BLK, jnp.int32), budget=width,
-                        config=config, interpret=bool(interpret))
-    return tuple(field[:, :budget] for field in nodes)
+    return _tree_nodes(jnp.asarray(lp_BLK, jnp.float32), jnp.asarray(tok_BLK, jnp.int32), budget=int(budget),
+                       config=config, interpret=bool(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "config", "interpret"))
 def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
     batch, depth, k = lp_BLK.shape
+    width = _pow2(budget)  # the beams' width, whose tree's first `budget` nodes are the answer
     depth2, k2 = _pow2(depth), _pow2(k)
-    pair_i, pair_r = beam_pairs(budget, k)
-    tile, chunks = candidate_chunks(budget, k, config.chunk)
+    pair_i, pair_r = beam_pairs(width, k)
+    tile, chunks = candidate_chunks(width, k, config.chunk)
     # padding pairs match no beam entry and no rank: -inf candidates
-    pair_i = np.pad(pair_i, (0, tile * chunks - len(pair_i)), constant_values=budget)
+    pair_i = np.pad(pair_i, (0, tile * chunks - len(pair_i)), constant_values=width)
     pair_r = np.pad(pair_r, (0, tile * chunks - len(pair_r)), constant_values=k2)
     pad = [(0, 0), (0, depth2 - depth), (0, k2 - k)]
     lp = jnp.pad(lp_BLK, pad, constant_values=-jnp.inf)
     tok = jnp.pad(tok_BLK, pad)
     bits, per_word, words = rank_packing(k, depth)
-    kernel = functools.partial(_kernel, budget=budget, k=k, depth=depth, bits=bits, per_word=per_word, words=words,
+    kernel = functools.partial(_kernel, budget=width, k=k, depth=depth, bits=bits, per_word=per_word, words=words,
                                tile=tile, chunks=chunks, order=config.order, gather=config.gather,
                                pick=config.pick, barrier=not interpret)
     row_spec = pl.BlockSpec((None, depth2, k2), lambda b: (b, 0, 0))
     pair_spec = pl.BlockSpec((tile * chunks,), lambda b: (0,))
-    slots = depth2 * budget if config.order == "search" else budget  # search: every entry stored at its place
+    slots = depth2 * width if config.order == "search" else width  # search: every entry stored at its place
     out_spec = pl.BlockSpec((None, slots), lambda b: (b, 0))
     ints, floats = jax.ShapeDtypeStruct((batch, slots), jnp.int32), jax.ShapeDtypeStruct((batch, slots), jnp.float32)
     out_specs, out_shape = [out_spec] * 4, [ints, ints, ints, floats]
     if config.gather == "loads":  # scratch: each depth's beam, which the candidates and the merge load from
-        row = tile * chunks if config.pick == "scatter" else budget  # scatter: a slot for every candidate
+        row = tile * chunks if config.pick == "scatter" else width  # scatter: a slot for every candidate
         beam_spec = pl.BlockSpec((None, depth2, row), lambda b: (b, 0, 0))
         out_specs += [beam_spec] * 3 + [pl.BlockSpec((None, words, depth2, row), lambda b: (b, 0, 0, 0))]
         out_shape += [jax.ShapeDtypeStruct((batch, *shape), dtype) for shape, dtype in (
             ((depth2, row), jnp.float32), ((depth2, row), jnp.int32), ((depth2, row), jnp.int32),
             ((words, depth2, row), jnp.int32))]
     if config.order == "search":  # scratch: each entry's place, which its children load
-        out_specs.append(pl.BlockSpec((None, depth2, budget), lambda b: (b, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, depth2, budget), jnp.int32))
+        out_specs.append(pl.BlockSpec((None, depth2, width), lambda b: (b, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, depth2, width), jnp.int32))
     fields = pl.pallas_call(
         kernel, grid=(batch,), in_specs=[row_spec, row_spec, pair_spec, pair_spec], out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="tree_build",
