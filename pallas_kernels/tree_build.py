@@ -97,10 +97,12 @@ class TreeBuildConfig:
 
 def tree_build_config(budget: int, k: int) -> TreeBuildConfig:
     """The launch `tree_nodes` uses by default, the fastest measured (BENCHMARKS.md): chunks of 32
-    candidates, the search order and gathers by loads, with 16 warps, 8 at B = 32 (on an H100 at
-    K = 4, batch 1 and 8: 25-37% faster than the merge order with 4 / 8 / 16 warps at B = 16 / 32 / 64,
-    the launch measured fastest before on an H200 at K = B)."""
-    return TreeBuildConfig(num_warps=8 if budget == 32 else 16, chunk=32, order="search", gather="loads")
+    candidates, the search order, gathers by loads and picks by scatter, with 8 warps, 16 at B = 64
+    (on an H100 at K = 4, batch 1 and 8: 0.040 / 0.054 / 0.086-0.097 ms at B = 16 / 32 / 64, against
+    0.047 / 0.065 / 0.107-0.128 with one-hot picks and 16 warps)."""
+    return TreeBuildConfig(
+        num_warps=16 if budget == 64 else 8, chunk=32, order="search", gather="loads", pick="scatter"
+    )
 
 
 def _pow2(n: int) -> int:

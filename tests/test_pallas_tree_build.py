@@ -60,8 +60,6 @@ MERGE = TreeBuildConfig(chunk=8, order="merge")
 LOADS = TreeBuildConfig(gather="loads")
 SEARCH = TreeBuildConfig(order="search", gather="loads")
 SEARCH_64 = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="loads")
-SCATTER = TreeBuildConfig(order="search", gather="loads", pick="scatter")
-SCATTER_64 = dataclasses.replace(SEARCH_64, pick="scatter")
 # (batch, depth, vocab, budget, k, launch; None: `tree_build_config`'s): compiled once each. Budgets 2
 # to 64 with k = budget and below it (a per-depth cap, k = 1 a chain), depth 1, the embedded drafter's
 # 15 and the most, 16; rank tuples in one word (k = 1) and in several (k = 16, 32, 64: three, four and
@@ -83,9 +81,7 @@ SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8
           (2, 15, 300, 16, 16, SEARCH), (2, 3, 3, 16, 3, SEARCH), (1, 2, 5, 2, 2, SEARCH), (1, 1, 50, 4, 4, SEARCH),
           (1, 16, 40, 64, 4, SEARCH_64), (2, 15, 300, 64, 64, SEARCH_64),
           (2, 15, 300, 15, 15, None), (1, 15, 300, 63, 4, None), (2, 3, 3, 5, 3, None), (1, 4, 40, 3, 2, MERGE),
-          (2, 9, 64, 24, 8, COUNT),
-          (2, 15, 300, 16, 16, SCATTER), (2, 3, 3, 16, 3, SCATTER), (1, 2, 5, 2, 2, SCATTER), (1, 1, 50, 4, 4, SCATTER),
-          (1, 16, 40, 63, 4, SCATTER_64), (2, 15, 300, 64, 64, SCATTER_64)]
+          (2, 9, 64, 24, 8, COUNT)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -111,8 +107,7 @@ def test_reference_equals_library_beyond_the_kernel(budget, k):
     (64, 64, 15, None), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=64, order="merge")),
     (16, 16, 15, TreeBuildConfig(chunk=16, order="merge")), (2, 1, 1, TreeBuildConfig(num_warps=1)),
     (16, 16, 15, LOADS), (16, 16, 15, COUNT), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=32, order="merge")),
-    (16, 4, 15, SEARCH), (64, 4, 15, SEARCH_64), (64, 64, 16, SEARCH_64), (63, 4, 15, None),
-    (16, 4, 15, SCATTER), (64, 4, 15, SCATTER_64)])
+    (16, 4, 15, SEARCH), (64, 4, 15, SEARCH_64), (64, 64, 16, SEARCH_64), (63, 4, 15, None), (64, 4, 15, None)])
 def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
     (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, config=config), *shapes)
@@ -130,12 +125,13 @@ def test_kernel_supports_budgets_up_to_64():
 
 
 def test_launches_and_the_shapes_they_take():
-    """The measured launches: chunks of 32, the search order and loads, 16 warps, 8 at B = 32 (one tile
-    of B = 64's 280 candidates would be 512 wide). Each default takes every width its budget allows."""
+    """The measured launches: chunks of 32, the search order, loads and scatter picks, 8 warps, 16 at
+    B = 64 (one tile of B = 64's 280 candidates would be 512 wide). Each default takes every width its
+    budget allows."""
     assert candidate_chunks(16, 16, 0) == (64, 1) and candidate_chunks(64, 64, 32) == (32, 9)
-    search = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="loads")
-    assert tree_build_config(16, 16) == tree_build_config(2, 1) == tree_build_config(64, 64) == search
-    assert tree_build_config(32, 32) == dataclasses.replace(search, num_warps=8)
+    scatter = TreeBuildConfig(num_warps=8, chunk=32, order="search", gather="loads", pick="scatter")
+    assert tree_build_config(16, 16) == tree_build_config(2, 1) == tree_build_config(32, 32) == scatter
+    assert tree_build_config(64, 4) == tree_build_config(64, 64) == dataclasses.replace(scatter, num_warps=16)
     assert all(tree_build_config(b, k).supports(b, k) for b in (2, 4, 8, 16, 32, 64) for k in range(1, b + 1))
     assert not TreeBuildConfig().supports(64, 64)  # a 512-wide tile
     assert not TreeBuildConfig(chunk=32).supports(64, 64)  # the count order past 32
