@@ -4,8 +4,8 @@ Times, in one process (jit, warm, ``block_until_ready``, median of repeats), for
 budget B (``--topk-cap``, default none, so K = B):
   full          = the XLA tree build (``build_impl="xla"``) + tree_attention_mask + tree_positions
                   from draft logits [batch, L, V], as the engine's round uses them
-  full_in_loop  = the same, per build of 20 builds in one call (a ``lax.fori_loop`` over four
-                  different drafts): its cost inside a jitted round, where no dispatch is paid
+  full_in_loop  = the same, per build of 10 builds in one call (a ``lax.fori_loop``, one element of
+                  the drafts changed a step): its cost inside a jitted round, where no dispatch is paid
   log_softmax   = the draft log-probabilities alone
   top_k         = the exact vocabulary top-K the build uses (`selection.top_k`, from log-probabilities;
                   its stages, `selection.top_k_plan`, in the column ``plan``, and whether it equals
@@ -19,7 +19,7 @@ budget B (``--topk-cap``, default none, so K = B):
                   whether its tree equals the XLA path's on this device
   beam_in_loop, beam_kernel_in_loop
                 = the beam and global order alone (from the top-K), XLA's and the kernel's, per call
-                  of 20 in one jitted loop; ``--kernel-variants w16,w8c32m`` adds
+                  of 10 in one jitted loop; ``--kernel-variants w16,w8c32m`` adds
                   ``beam_kernel_<variant>_in_loop`` (and ``kernel_<variant>_equal``): the kernel with
                   another launch (`parse_variant`: warps, candidates a count tile, the merge or search order,
                   candidates gathered by loads, the beam picked by stores)
@@ -49,7 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax import kernels, selection  # noqa: E402
 from ddtree_jax.experiments import profiling  # noqa: E402
-from ddtree_jax.experiments.bench import checksum, loop_ms  # noqa: E402
+from ddtree_jax.experiments.bench import checksum, loop_ms, nudge  # noqa: E402
 from ddtree_jax.experiments.flags import int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.tree import (  # noqa: E402
@@ -120,7 +120,7 @@ def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=()) -> dic
         batch=batch, budget=budget, topk_cap=topk_cap, vocab=vocab, depth=depth, k=k,
         plan="lax" if plan is None else "x".join(map(str, plan)) or "count", top_k_exact=exact,
         full_ms=median_ms(lambda: full(draft_logits, roots, budget=budget, topk_cap=topk_cap), repeats),
-        full_in_loop_ms=in_loop_ms(drafts, roots, budget, topk_cap, "xla", repeats),
+        full_in_loop_ms=in_loop_ms(draft_logits, roots, budget, topk_cap, "xla", repeats),
         log_softmax_ms=median_ms(lambda: log_softmax(draft_logits), repeats),
         top_k_ms=median_ms(lambda: vocab_top_k(lp, k=k), repeats),
         beam_ms=median_ms(lambda: beam(lp_k, tok_k, roots, budget=budget), repeats),
@@ -142,12 +142,14 @@ def beam_in_loop_ms(beam_fn, drafts, roots, k, repeats) -> float:
     return loop_ms(step, ops, jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS)
 
 
-def in_loop_ms(drafts, roots, budget, topk_cap, impl, repeats) -> float:
-    """ms per build + encodings by ``impl`` (`kernels.tree_build_fn`) inside one jitted loop; step i
-    builds from draft i % 4, so that no build is hoisted out of the loop."""
-    def step(ops, i, acc):
-        return acc + checksum(build_and_encode(ops[0][i % 4], ops[1], budget, topk_cap, impl))
-    return loop_ms(step, (drafts, roots), jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS)
+def in_loop_ms(draft_logits, roots, budget, topk_cap, impl, repeats) -> float:
+    """ms per build + encodings by ``impl`` (`kernels.tree_build_fn`) of ``draft_logits`` inside one
+    jitted loop, the logits threaded through it and nudged a step (`bench.nudge`: no build hoisted out)."""
+    def step(roots, i, carry):
+        acc, drafts = carry
+        drafts = nudge(drafts)
+        return acc + checksum(build_and_encode(drafts, roots, budget, topk_cap, impl)), drafts
+    return loop_ms(step, roots, (jnp.float32(0), draft_logits), max(3, repeats // 4), steps=LOOP_STEPS)
 
 
 def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, variants=()) -> dict:
@@ -169,7 +171,7 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
     library = tree_build_config(budget, k)
     columns = dict(beam_kernel_ms=median_ms(lambda: run(library)(lp_k, tok_k, roots), repeats),
                    kernel_equal=equal(library),
-                   kernel_in_loop_ms=in_loop_ms(drafts, roots, budget, topk_cap, KERNEL_IMPL, repeats),
+                   kernel_in_loop_ms=in_loop_ms(drafts[0], roots, budget, topk_cap, KERNEL_IMPL, repeats),
                    beam_in_loop_ms=beam_in_loop_ms(functools.partial(beam, budget=budget), drafts, roots, k, repeats),
                    beam_kernel_in_loop_ms=beam_in_loop_ms(run(library), drafts, roots, k, repeats))
     for name in variants:

@@ -1,7 +1,10 @@
 """`ddtree bench` (ddtree_jax.experiments.bench) end to end on tiny shapes and the embedded pair, and its bad input."""
 
 import json
+import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -96,6 +99,50 @@ def test_a_draft_vocabulary_streams_its_own_head_in_the_round(tmp_path):
     (row,) = json.loads(out.read_text())["shapes"]
     assert row["draft_vocab"] == 64 and row["round_ms"] > 0 and row["drafter_ms"] > 0
     assert row["round_full_vocab_back_to_back_ms"] > 0  # the whole vocabulary's round, timed beside it
+
+
+def _ops_in_while_body(hlo: str, op: str) -> int:
+    """How many ``op`` instructions of a compiled module run inside its while loop's body, fusions and
+    calls followed."""
+    computations, name = {}, None
+    for line in hlo.splitlines():
+        if line.startswith(("%", "ENTRY")):
+            name = line.removeprefix("ENTRY ").split()[0].lstrip("%")
+            computations[name] = []
+        elif name and line.startswith(" "):
+            computations[name].append(line)
+    (body,) = [re.search(r"body=%([\w.\-]+)", line).group(1) for lines in computations.values() for line in lines
+               if " while(" in line]
+    seen, todo, count = set(), [body], 0
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        count += sum(f" {op}(" in line for line in computations[name])
+        todo += [c for line in computations[name] for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)]
+    return count
+
+
+def test_a_nudged_input_keeps_the_work_in_the_loop_without_copies():
+    """A loop over `bench.nudge`d inputs threaded through its carry computes inside the loop body what
+    XLA hoists out of a loop over the same loop-invariant input, and copies no array inside the loop."""
+    x = jax.random.normal(jax.random.key(0), (65, 300))
+
+    def nudged(i, carry):
+        acc, v = carry
+        v = bench.nudge(v)
+        return acc + jnp.exp(v).sum(), v
+
+    def invariant(i, carry):
+        return carry[0] + jnp.exp(carry[1]).sum(), carry[1]
+
+    hlos = [jax.jit(lambda x, body=body: jax.lax.fori_loop(0, 4, body, (jnp.float32(0), x))[0]).lower(x).compile()
+            .as_text() for body in (nudged, invariant)]
+    assert _ops_in_while_body(hlos[0], "exponential") == 1 and _ops_in_while_body(hlos[1], "exponential") == 0
+    assert _ops_in_while_body(hlos[0], "copy") == 0
+    np.testing.assert_array_equal(bench.nudge(x)[0, 0], x[0, 0] + 1)
+    np.testing.assert_array_equal(bench.nudge(x)[1:], x[1:])
 
 
 def test_back_to_back_queues_the_calls_and_blocks_once():
