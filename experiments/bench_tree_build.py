@@ -19,11 +19,10 @@ budget B (``--topk-cap``, default none, so K = B):
                   whether its tree equals the XLA path's on this device
   beam_in_loop, beam_kernel_in_loop
                 = the beam and global order alone (from the top-K), XLA's and the kernel's, per call
-                  of 10 in one jitted loop; ``--kernel-variants w16,w8c32m`` adds
+                  of 10 in one jitted loop; ``--kernel-variants w16,c0`` adds
                   ``beam_kernel_<variant>_in_loop`` (and ``kernel_<variant>_equal``): the kernel with
-                  another launch (`parse_variant`: warps, candidates a count tile, the merge or search order,
-                  candidates gathered by loads, the beam picked by stores)
-                  than the library's (`tree_build.tree_build_config`)
+                  another launch than the library's (`tree_build.tree_build_config`; `parse_variant`:
+                  warps, candidates a count tile)
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
 device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
@@ -183,19 +182,15 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
 
 
 def parse_variant(name: str) -> TreeBuildConfig:
-    """A tree-build launch from its name: ``w<warps>`` (default 4), ``c<candidates a count tile>``
-    (default 0, one tile), ``m`` for the merge order or ``s`` for the search order (else the count
-    order), ``g`` for candidates gathered by loads (else one-hot reductions) and ``p`` for the beam
-    picked by stores at the ranks (else one-hot reductions), in that order: ``w16``, ``c32m``,
-    ``w16c32mg``, ``w16c32sg``, ``w16c32sgp``."""
-    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?([ms]?)(g?)(p?)", name)
+    """A tree-build launch from its name: ``w<warps>`` and ``c<candidates a count tile>`` (``c0``: one
+    tile), in that order, each optional (default `TreeBuildConfig`'s): ``w16``, ``c0``, ``w4c16``."""
+    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?", name)
     if not name or match is None:
-        raise ValueError(f"a kernel variant is w<warps>, c<chunk>, m (merge) or s (search), g (loads) and p "
-                         f"(stores) in that order, got {name!r}")
-    warps, chunk, order, loads, stores = match.groups()
-    return TreeBuildConfig(num_warps=int(warps or 4), chunk=int(chunk or 0),
-                           order={"m": "merge", "s": "search", "": "count"}[order],
-                           gather="loads" if loads else "onehot", pick="scatter" if stores else "onehot")
+        raise ValueError(f"a kernel variant is w<warps> and c<chunk> in that order, got {name!r}")
+    warps, chunk = match.groups()
+    default = TreeBuildConfig()
+    return TreeBuildConfig(num_warps=int(warps or default.num_warps),
+                           chunk=default.chunk if chunk is None else int(chunk))
 
 
 def main(argv=None) -> int:
@@ -207,9 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the trees (0 = none)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--kernel-variants", default="",
-                    help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk>[m|s]gp "
-                         "(each part optional; m: the merge order, s: the search order, which needs g; g: loads; "
-                         "p: the beam picked by stores, which needs s), e.g. w16,c32m,w16c32mg,w16c32sg,w16c32sgp")
+                    help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk> (each "
+                         "part optional, c0 one tile), e.g. w16,c0,w4c16")
     ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)

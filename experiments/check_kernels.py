@@ -35,8 +35,7 @@ device, over shapes too large for the CPU.
 - ``tree_build``: the tree-build kernel (``pallas_kernels.tree_build``) against its reference and the
   library's XLA path, from the top-K of random draft logits at V = 151,936 (with duplicated values,
   and depths whose top token has probability 1, so that entries of different depths tie), at budgets
-  16 to 64 with the launch the library uses (the search order, picks by scatter) and with the merge and
-  count orders:
+  16 to 64 with the launch the library uses and with other chunks and warps:
   identical nodes required.
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
@@ -295,22 +294,14 @@ def check_kv_write(interpret=False, cases=KV_WRITE_CASES):
 
 # (batch, depth, vocab, budget, k, ties, launch: None for `tree_build.tree_build_config`'s) of the tree-build
 # kernel: the CLI's default tree (16, cap 4), budgets 16 to 64 uncapped and capped, a chain, at batch 1 to 8;
-# besides the default launches (the search order, gathers by loads, picks by scatter), the merge and count
-# orders, one-hot gathers, the search with 4 warps and one-hot picks
-MERGE_32 = TreeBuildConfig(num_warps=8, chunk=32, order="merge")
-MERGE_LOADS_64 = TreeBuildConfig(num_warps=16, chunk=32, order="merge", gather="loads")
-SEARCH_64 = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="loads")
+# besides the default launches, one count tile, chunks of 16 and 64, and 4 warps
 TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False, None), (8, 15, 151_936, 16, 16, True, None),
                     (1, 15, 151_936, 32, 32, True, None), (8, 15, 151_936, 32, 8, False, None),
                     (2, 15, 151_936, 16, 1, True, None), (1, 15, 151_936, 64, 64, True, None),
-                    (8, 15, 151_936, 64, 8, False, None), (1, 15, 151_936, 32, 32, True, MERGE_32),
-                    (8, 15, 151_936, 16, 16, True, TreeBuildConfig(chunk=16, order="merge")),
-                    (8, 15, 151_936, 16, 16, True, TreeBuildConfig(gather="loads")),
-                    (1, 15, 151_936, 16, 4, False, TreeBuildConfig()),
-                    (1, 15, 151_936, 64, 4, True, None),
-                    (8, 15, 151_936, 64, 64, True, MERGE_LOADS_64),
-                    (1, 15, 151_936, 16, 4, False, TreeBuildConfig(chunk=32, order="search", gather="loads")),
-                    (1, 15, 151_936, 64, 4, True, SEARCH_64)]
+                    (8, 15, 151_936, 64, 8, False, None), (1, 15, 151_936, 64, 4, True, None),
+                    (8, 15, 151_936, 16, 16, True, TreeBuildConfig(chunk=0)),
+                    (1, 15, 151_936, 32, 32, True, TreeBuildConfig(num_warps=4, chunk=16)),
+                    (8, 15, 151_936, 64, 64, True, TreeBuildConfig(num_warps=16, chunk=64))]
 
 
 def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):

@@ -7,23 +7,17 @@ as two reductions per depth (28 kernels of about a microsecond at ``L = 15`` on 
 global order's own; here the whole of it is one program per request:
 
 - each depth's candidates are the static pairs (beam entry ``i``, rank ``r``) with
-  ``(i + 1)(r + 1) <= B``, gathered from the beam and the depth's row by one-hot reductions
-  (``gather="onehot"``) or by indexed loads, each depth's beam stored as a row of scratch outputs
-  behind a barrier (``gather="loads"``; the merge and search orders then load the rows too), in chunks of
-  ``chunk`` candidates (`TreeBuildConfig`; ``0``: one chunk of all of them);
+  ``(i + 1)(r + 1) <= B``, in chunks of ``chunk`` candidates (`TreeBuildConfig`; ``0``: one chunk of
+  all of them), each loaded from the previous depth's beam and the depth's row;
 - a candidate's rank is a pairwise count over (``-logw``, packed rank-tuple words, index), chunk
-  against chunk, so that no tile is larger than ``chunk x chunk``; the new beam is a one-hot
-  selection by rank, the beams kept as rows of ``[L2, B]`` tiles (``pick="onehot"``), or each
-  candidate's fields are stored at its rank in the depth's scratch row, as wide as the candidates so
-  that every store has a slot of its own, the rows loaded back as tiles after the last depth
-  (``pick="scatter"``, with the search order);
-- the global order either counts, for each depth row of the tiles, the entries of every row before
-  it (``order="count"``: ``[L2, B, B]`` tiles, budgets up to `COUNT_ORDER_MAX_BUDGET`), or merges the
-  rows, which are each sorted already: ``B`` steps that pop the best row head (``order="merge"``:
-  ``[L2, B]`` tiles, a step's reductions in sequence), or finds each entry's place in every other
-  row by a binary search over the stored rows and stores each field at its place (``order="search"``,
-  with ``gather="loads"``: ``log2(B) + 1`` steps of loads over ``[L2, L2, B]`` lanes, no reduction
-  but the sum of the places).
+  against chunk, so that no tile is larger than ``chunk x chunk``; each candidate's fields are stored
+  at its rank in the depth's row of scratch outputs, as wide as the candidates so that every store has
+  a slot of its own, and the row's first ``B`` slots are the depth's beam, which a barrier of the
+  program's threads publishes to the next depth;
+- the global order: each row is sorted already, so the entries of row ``d'`` before an entry are a
+  prefix of it, whose length a binary search over the stored row finds (``log2(B) + 1`` steps of
+  loads over ``[L2, L2, B]`` lanes); an entry's place is the sum of its prefixes, and each field is
+  stored at its place.
 
 The result equals `tree_build_reference` (and the library's ``tree_from_top_k``), ties included:
 the same keys and the same tie rule. The counts grow as ``L (B ln B)^2``; the kernel takes budgets up
@@ -47,26 +41,17 @@ MAX_BUDGET = 64
 MAX_TILE = 128  # candidates on a side of a count tile: a 128 x 128 count
 MAX_DEPTH = 16
 MAX_CHUNKS = 16  # chunks a depth: chunks^2 count tiles are unrolled in the program
-COUNT_ORDER_MAX_BUDGET = 32  # the count order's [L2, B, B] tiles
 WARPS = (1, 2, 4, 8, 16)
-ORDERS = ("count", "merge", "search")
-GATHERS = ("onehot", "loads")
-PICKS = ("onehot", "scatter")
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeBuildConfig:
     """Launch of the tree-build kernel: ``num_warps`` Triton warps a program (one of `WARPS`),
     ``chunk`` candidates a count tile side (``0``: all of a depth's candidates in one tile, padded
-    to a power of two; else a power of two in [8, `MAX_TILE`]), ``order`` of the beams (`ORDERS`),
-    ``gather`` of a depth's candidates from the beam and the row, and of the merge's row heads
-    (`GATHERS`), ``pick`` of the new beam from the ranked candidates (`PICKS`)."""
+    to a power of two; else a power of two in [8, `MAX_TILE`])."""
 
-    num_warps: int = 4
-    chunk: int = 0
-    order: str = "count"
-    gather: str = "onehot"
-    pick: str = "onehot"
+    num_warps: int = 8
+    chunk: int = 32
 
     def __post_init__(self):
         if self.num_warps not in WARPS:
@@ -74,35 +59,19 @@ class TreeBuildConfig:
         if not (self.chunk == 0 or (8 <= self.chunk <= MAX_TILE and self.chunk & (self.chunk - 1) == 0)):
             raise ValueError(f"TreeBuildConfig.chunk must be 0 or a power of two in [8, {MAX_TILE}], "
                              f"got {self.chunk!r}")
-        if self.order not in ORDERS:
-            raise ValueError(f"TreeBuildConfig.order must be one of {ORDERS}, got {self.order!r}")
-        if self.gather not in GATHERS:
-            raise ValueError(f"TreeBuildConfig.gather must be one of {GATHERS}, got {self.gather!r}")
-        if self.order == "search" and self.gather != "loads":
-            raise ValueError(f"TreeBuildConfig.order='search' loads the stored rows: it needs gather='loads', "
-                             f"got gather={self.gather!r}")
-        if self.pick not in PICKS:
-            raise ValueError(f"TreeBuildConfig.pick must be one of {PICKS}, got {self.pick!r}")
-        if self.pick == "scatter" and self.order != "search":
-            raise ValueError(f"TreeBuildConfig.pick='scatter' keeps the beams in the scratch rows only: it needs "
-                             f"order='search', got order={self.order!r}")
 
     def supports(self, budget: int, k: int) -> bool:
         """Whether this launch takes a budget and width `kernel_supports` takes: its count tiles
-        within `MAX_TILE` candidates and `MAX_CHUNKS` chunks, the count order only up to
-        `COUNT_ORDER_MAX_BUDGET`."""
+        within `MAX_TILE` candidates and `MAX_CHUNKS` chunks."""
         tile, chunks = candidate_chunks(budget, k, self.chunk)
-        return tile <= MAX_TILE and chunks <= MAX_CHUNKS and (self.order != "count" or budget <= COUNT_ORDER_MAX_BUDGET)
+        return tile <= MAX_TILE and chunks <= MAX_CHUNKS
 
 
 def tree_build_config(budget: int, k: int) -> TreeBuildConfig:
     """The launch `tree_nodes` uses by default, the fastest measured (BENCHMARKS.md): chunks of 32
-    candidates, the search order, gathers by loads and picks by scatter, with 8 warps, 16 at B = 64
-    (on an H100 at K = 4, batch 1 and 8: 0.040 / 0.054 / 0.086-0.097 ms at B = 16 / 32 / 64, against
-    0.047 / 0.065 / 0.107-0.128 with one-hot picks and 16 warps)."""
-    return TreeBuildConfig(
-        num_warps=16 if budget == 64 else 8, chunk=32, order="search", gather="loads", pick="scatter"
-    )
+    candidates with 8 warps, 16 at B = 64 (on an H100 at K = 4, batch 1 and 8: 0.040 / 0.054 /
+    0.086-0.097 ms at B = 16 / 32 / 64)."""
+    return TreeBuildConfig(num_warps=16 if budget == 64 else 8, chunk=32)
 
 
 def _pow2(n: int) -> int:
@@ -187,24 +156,23 @@ def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
     tok = jnp.pad(tok_BLK, pad)
     bits, per_word, words = rank_packing(k, depth)
     kernel = functools.partial(_kernel, budget=width, k=k, depth=depth, bits=bits, per_word=per_word, words=words,
-                               tile=tile, chunks=chunks, order=config.order, gather=config.gather,
-                               pick=config.pick, barrier=not interpret)
+                               tile=tile, chunks=chunks, barrier=not interpret)
     row_spec = pl.BlockSpec((None, depth2, k2), lambda b: (b, 0, 0))
     pair_spec = pl.BlockSpec((tile * chunks,), lambda b: (0,))
-    slots = depth2 * width if config.order == "search" else width  # search: every entry stored at its place
+    slots = depth2 * width  # every entry stored at its place
     out_spec = pl.BlockSpec((None, slots), lambda b: (b, 0))
     ints, floats = jax.ShapeDtypeStruct((batch, slots), jnp.int32), jax.ShapeDtypeStruct((batch, slots), jnp.float32)
     out_specs, out_shape = [out_spec] * 4, [ints, ints, ints, floats]
-    if config.gather == "loads":  # scratch: each depth's beam, which the candidates and the merge load from
-        row = tile * chunks if config.pick == "scatter" else width  # scatter: a slot for every candidate
-        beam_spec = pl.BlockSpec((None, depth2, row), lambda b: (b, 0, 0))
-        out_specs += [beam_spec] * 3 + [pl.BlockSpec((None, words, depth2, row), lambda b: (b, 0, 0, 0))]
-        out_shape += [jax.ShapeDtypeStruct((batch, *shape), dtype) for shape, dtype in (
-            ((depth2, row), jnp.float32), ((depth2, row), jnp.int32), ((depth2, row), jnp.int32),
-            ((words, depth2, row), jnp.int32))]
-    if config.order == "search":  # scratch: each entry's place, which its children load
-        out_specs.append(pl.BlockSpec((None, depth2, width), lambda b: (b, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, depth2, width), jnp.int32))
+    # scratch: each depth's ranked candidates (a slot for every one, the beam the first `width`), which the
+    # next depth's candidates and the order load, and each entry's place, which its children load
+    row = tile * chunks
+    beam_spec = pl.BlockSpec((None, depth2, row), lambda b: (b, 0, 0))
+    out_specs += [beam_spec] * 3 + [pl.BlockSpec((None, words, depth2, row), lambda b: (b, 0, 0, 0))]
+    out_shape += [jax.ShapeDtypeStruct((batch, *shape), dtype) for shape, dtype in (
+        ((depth2, row), jnp.float32), ((depth2, row), jnp.int32), ((depth2, row), jnp.int32),
+        ((words, depth2, row), jnp.int32))]
+    out_specs.append(pl.BlockSpec((None, depth2, width), lambda b: (b, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((batch, depth2, width), jnp.int32))
     fields = pl.pallas_call(
         kernel, grid=(batch,), in_specs=[row_spec, row_spec, pair_spec, pair_spec], out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="tree_build",
@@ -218,19 +186,10 @@ def _iota(shape, axis):
 
 
 def _take(hit, values, low):
-    """``out[p] = values[q]`` for the one ``q`` with ``hit[p, q]`` (``low`` where none): a reduction."""
-    return _collapse(jnp.where(hit, values[None, :], low))
-
-
-def _collapse(picked, axis=1):
-    """`_take`'s reduction of a tile of picked values and ``low`` fillers over ``axis``: the max of
-    floats (filled with -inf), the sum of ints (filled with 0)."""
-    return jnp.max(picked, axis=axis) if jnp.issubdtype(picked.dtype, jnp.floating) else jnp.sum(picked, axis=axis)
-
-
-def _combine(a, b):
-    """Two picked tiles as one, so that one `_collapse` serves both: each output picks in one at most."""
-    return jnp.maximum(a, b) if jnp.issubdtype(a.dtype, jnp.floating) else a + b
+    """``out[p] = values[q]`` for the one ``q`` with ``hit[p, q]`` (``low`` where none): a reduction, the
+    max of floats (filled with -inf) or the sum of ints (filled with 0)."""
+    picked = jnp.where(hit, values[None, :], low)
+    return jnp.max(picked, axis=1) if jnp.issubdtype(picked.dtype, jnp.floating) else jnp.sum(picked, axis=1)
 
 
 def _precedes(keys_q, keys_p, before):
@@ -240,14 +199,13 @@ def _precedes(keys_q, keys_p, before):
     return before
 
 
-def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out, logw_out, *scratch, budget, k,
-            depth, bits, per_word, words, tile, chunks, order, gather, pick, barrier):
+def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out, logw_out, logw_buf, tok_buf,
+            par_buf, words_buf, place_buf, *, budget, k, depth, bits, per_word, words, tile, chunks, barrier):
     """Program b: request b's beam over the ``[L2, K2]`` rows, then its ``budget`` first entries.
-    ``scratch``: with ``gather="loads"``, every depth's beam as a row, ``[L2, B]`` logw, tokens and
-    parents and ``[words, L2, B]`` rank words (with ``pick="scatter"`` the rows are as wide as a depth's
-    padded candidates, the beam their first ``B`` entries), and with ``order="search"`` the ``[L2, B]``
-    places of the entries; ``barrier``: whether to synchronise the program's threads between their
-    stores and loads (not in the interpreter, which runs them in order)."""
+    Scratch: every depth's ranked candidates as a row, logw, tokens, parents ``[L2, C]`` and rank words
+    ``[words, L2, C]`` (``C`` the depth's padded candidates, the beam the first ``B`` of a row), and the
+    ``[L2, B]`` places of the entries; ``barrier``: whether to synchronise the program's threads
+    between their stores and loads (not in the interpreter, which runs them in order)."""
     neg = jnp.float32(-jnp.inf)
     depth2, k2 = lp_ref.shape
     width = budget
@@ -260,51 +218,31 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
     beam_words = [((beam_rank + 1) << (bits * (per_word - 1))) if x == 0 else jnp.zeros((width,), jnp.int32)
                   for x in range(words)]
     tok = _take(first, tok_ref[0, :], 0)
-    at_row0 = rows == 0
-    acc_logw = jnp.where(at_row0, logw[None, :], neg)
-    acc_tok = jnp.where(at_row0, tok[None, :], 0)
-    acc_par = jnp.full((depth2, width), -1, jnp.int32)
-    acc_words = [jnp.where(at_row0, w[None, :], 0) for w in beam_words]
     pair_chunks = [(pair_i_ref[pl.ds(a * tile, tile)], pair_r_ref[pl.ds(a * tile, tile)]) for a in range(chunks)]
+    for buf, values in ((logw_buf, logw), (tok_buf, tok), (par_buf, jnp.full((width,), -1, jnp.int32))):
+        buf[pl.ds(0, 1), pl.ds(0, width)] = values[None, :]
+    for x, w in enumerate(beam_words):
+        words_buf[x, pl.ds(0, 1), pl.ds(0, width)] = w[None, :]
+    if barrier:
+        plt.debug_barrier()
 
-    def publish(d, logw, tok, parent, beam_words):
-        """``gather="loads"``: depth d's beam into row d of the scratch, then a barrier, after which every
-        thread may load it."""
-        logw_buf, tok_buf, par_buf, words_buf = scratch[:4]
-        for buf, values in ((logw_buf, logw), (tok_buf, tok), (par_buf, parent)):
-            buf[pl.ds(d, 1), pl.ds(0, width)] = values[None, :]
-        for x, w in enumerate(beam_words):
-            words_buf[x, pl.ds(d, 1), pl.ds(0, width)] = w[None, :]
-        if barrier:
-            plt.debug_barrier()
-
-    def gathered(d, logw, beam_words, pair_i, pair_r):
-        """A chunk's beam entries and row entries: ``(beam logw, beam words, row lp, row tokens)``."""
-        if gather == "loads":  # padding pairs (i = B, r = K2) load a clamped entry, then take the one-hot's values
-            logw_buf, _, _, words_buf = scratch[:4]
-            real = pair_i < width
-            i, r = jnp.minimum(pair_i, width - 1), jnp.minimum(pair_r, k2 - 1)
-            d_T, above_T = jnp.full((tile,), d, jnp.int32), jnp.full((tile,), d - 1, jnp.int32)
-            return (jnp.where(real, plt.load(logw_buf.at[above_T, i]), neg),
-                    [jnp.where(real, plt.load(words_buf.at[jnp.full((tile,), x, jnp.int32), above_T, i]), 0)
-                     for x in range(words)],
-                    jnp.where(real, plt.load(lp_ref.at[d_T, r]), neg), jnp.where(real, plt.load(tok_ref.at[d_T, r]), 0))
-        lp_d, tok_d = lp_ref[pl.ds(d, 1), :][0], tok_ref[pl.ds(d, 1), :][0]
-        from_beam = pair_i[:, None] == _iota((tile, width), 1)
-        from_row = pair_r[:, None] == _iota((tile, k2), 1)
-        return (_take(from_beam, logw, neg), [_take(from_beam, w, 0) for w in beam_words], _take(from_row, lp_d, neg),
-                _take(from_row, tok_d, 0))
-
-    def candidates(d, logw, beam_words, pair_i, pair_r):
-        """A chunk's candidates at depth d: (logw, token, rank-tuple words)."""
-        beam_logw, beam_w, row_lp, row_tok = gathered(d, logw, beam_words, pair_i, pair_r)
+    def candidates(d, pair_i, pair_r):
+        """A chunk's candidates at depth d: (logw, token, rank-tuple words), loaded from the beam of
+        depth d - 1 and row d; padding pairs (i = B, r = K2) load a clamped entry and become -inf."""
+        real = pair_i < width
+        i, r = jnp.minimum(pair_i, width - 1), jnp.minimum(pair_r, k2 - 1)
+        d_T, above_T = jnp.full((tile,), d, jnp.int32), jnp.full((tile,), d - 1, jnp.int32)
+        beam_logw = jnp.where(real, plt.load(logw_buf.at[above_T, i]), neg)
+        beam_w = [jnp.where(real, plt.load(words_buf.at[jnp.full((tile,), x, jnp.int32), above_T, i]), 0)
+                  for x in range(words)]
+        row_lp = jnp.where(real, plt.load(lp_ref.at[d_T, r]), neg)
+        row_tok = jnp.where(real, plt.load(tok_ref.at[d_T, r]), 0)
         word = jax.lax.div(d, jnp.int32(per_word))  # d >= 0: lax's truncating div and rem are the floor ones
         new_rank = jnp.where(pair_r < k, pair_r + 1, 0) << (bits * (per_word - 1 - jax.lax.rem(d, jnp.int32(per_word))))
         return beam_logw + row_lp, row_tok, [w + jnp.where(word == x, new_rank, 0) for x, w in enumerate(beam_w)]
 
     # The launches' times on an H200 fit about 0.23 us per reduction across the program's warps
-    # (docs/design.md), so the chunks' tiles are added up elementwise and reduced once: a rank takes
-    # one reduction, not one per chunk, and so does each field of the new beam.
+    # (docs/design.md), so the chunks' count tiles are added up elementwise and reduced once a rank.
     def rank(keys_a, keys, a):
         """Candidates of chunk a: how many of all the chunks' candidates sort before each."""
         count = None
@@ -315,28 +253,9 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
         return jnp.sum(count, axis=0)
 
     def extend(d, carry):
-        logw, beam_words, acc_logw, acc_tok, acc_par, acc_words = carry
-        cands = [candidates(d, logw, beam_words, pair_i, pair_r) for pair_i, pair_r in pair_chunks]
-        keys = [[-cand_logw, *cand_words] for cand_logw, _, cand_words in cands]
-        picked = None
-        for a, ((cand_logw, cand_tok, cand_words), (pair_i, _)) in enumerate(zip(cands, pair_chunks)):
-            chosen = rank(keys[a], keys, a)[None, :] == _iota((width, tile), 0)
-            tiles = [jnp.where(chosen, values[None, :], low)
-                     for values, low in ((cand_logw, neg), (cand_tok, 0), (pair_i, 0), *((w, 0) for w in cand_words))]
-            picked = tiles if picked is None else [_combine(p, t) for p, t in zip(picked, tiles)]
-        logw, tok, parent, *beam_words = [_collapse(p) for p in picked]
-        if gather == "loads":
-            publish(d, logw, tok, parent, beam_words)
-        at_row = rows == d
-        return (logw, beam_words, jnp.where(at_row, logw[None, :], acc_logw), jnp.where(at_row, tok[None, :], acc_tok),
-                jnp.where(at_row, parent[None, :], acc_par),
-                [jnp.where(at_row, w[None, :], a) for w, a in zip(beam_words, acc_words)])
-
-    def extend_by_stores(d, carry):
-        """``pick="scatter"``: each candidate's fields stored at its rank in row d of the scratch, then a
-        barrier; ranks are distinct and the row has a slot for each candidate."""
-        logw_buf, tok_buf, par_buf, words_buf = scratch[:4]
-        cands = [candidates(d, None, None, pair_i, pair_r) for pair_i, pair_r in pair_chunks]
+        """Depth d: each candidate's fields stored at its rank in row d of the scratch, then a barrier;
+        ranks are distinct and the row has a slot for each candidate."""
+        cands = [candidates(d, pair_i, pair_r) for pair_i, pair_r in pair_chunks]
         keys = [[-cand_logw, *cand_words] for cand_logw, _, cand_words in cands]
         d_T = jnp.full((tile,), d, jnp.int32)
         for a, ((cand_logw, cand_tok, cand_words), (pair_i, _)) in enumerate(zip(cands, pair_chunks)):
@@ -349,79 +268,29 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
             plt.debug_barrier()
         return carry
 
-    if gather == "loads":
-        publish(0, logw, tok, jnp.full((width,), -1, jnp.int32), beam_words)
-    if pick == "scatter":  # the beams back from the scratch rows; rows past the last depth are padding
-        jax.lax.fori_loop(1, depth, extend_by_stores, jnp.int32(0))
-        logw_buf, tok_buf, par_buf, words_buf = scratch[:4]
-        live, beam = rows < depth, pl.ds(0, width)
-        acc_logw = jnp.where(live, logw_buf[:, beam], neg)
-        acc_tok, acc_par = jnp.where(live, tok_buf[:, beam], 0), jnp.where(live, par_buf[:, beam], -1)
-        acc_words = [jnp.where(live, words_buf[x, :, beam], 0) for x in range(words)]
-    else:
-        carry = (logw, beam_words, acc_logw, acc_tok, acc_par, acc_words)
-        _, _, acc_logw, acc_tok, acc_par, acc_words = jax.lax.fori_loop(1, depth, extend, carry)
-    if order == "count":
-        fields = _count_order(acc_logw, acc_tok, acc_par, acc_words, budget=budget)
-    elif order == "search":
-        _search_order(acc_logw, acc_tok, acc_par, acc_words, (tok_out, par_out, depth_out, logw_out), scratch,
-                      barrier=barrier)
-        return
-    else:
-        fields = _merge_order(acc_logw, acc_tok, acc_par, acc_words, budget=budget, depth=depth,
-                              scratch=scratch if gather == "loads" else None)
-    for out, field in zip((tok_out, par_out, depth_out, logw_out), fields):
-        out[...] = field
-
-
-def _count_order(acc_logw, acc_tok, acc_par, acc_words, *, budget):
-    """Fields of the ``budget`` first beam entries ``(d, w)`` by (-logw, words, ``d * width + w``): each
-    entry's position counted against one depth row at a time, each output slot the entry at its
-    position."""
-    neg = jnp.float32(-jnp.inf)
-    depth2, width = acc_logw.shape
-    rows = _iota((depth2, width), 0)
-    flat = rows * width + _iota((depth2, width), 1)
-    keys_p = [key[:, :, None] for key in (-acc_logw, *acc_words)]
-
-    def count_row(dq, order):
-        at_q = rows == dq
-        keys_q = [(-jnp.max(jnp.where(at_q, acc_logw, neg), axis=0))[None, None, :],
-                  *[jnp.sum(jnp.where(at_q, a, 0), axis=0)[None, None, :] for a in acc_words]]
-        before = (dq * width + _iota((width,), 0))[None, None, :] < flat[:, :, None]
-        return order + jnp.sum(_precedes(keys_q, keys_p, before).astype(jnp.int32), axis=2)
-
-    order = jax.lax.fori_loop(0, depth2, count_row, jnp.zeros((depth2, width), jnp.int32))
-    real = acc_logw > neg
-    node = jnp.where(order < budget, order + 1, -1)
-    # parent node of (d, w): the node of entry acc_par[d, w] of row d - 1
-    shape3 = (depth2, depth2, width)
-    node_above = jnp.sum(jnp.where(_iota(shape3, 1) == _iota(shape3, 0) - 1, node[None, :, :], 0), axis=1)
-    shape3 = (depth2, width, width)
-    parent = jnp.sum(jnp.where(acc_par[:, :, None] == _iota(shape3, 2), node_above[:, None, :], 0), axis=2)
-    parent = jnp.where(rows == 0, 0, parent)
-
-    hit = order[None, :, :] == _iota((budget, depth2, width), 0)
-    fields = []
-    for field in (jnp.where(real, acc_tok, 0), jnp.where(real, parent, -1), jnp.where(real, rows + 1, 0),
-                  jnp.where(real, acc_logw, neg)):  # slot s takes the entry ordered s-th: a reduction over the tiles
-        picked = jnp.where(hit, field[None, :, :], neg if jnp.issubdtype(field.dtype, jnp.floating) else 0)
-        fields.append(_collapse(_collapse(picked, axis=2)))
-    return fields
+    jax.lax.fori_loop(1, depth, extend, jnp.int32(0))
+    # the beams back from the scratch rows; rows past the last depth are padding
+    live, beam = rows < depth, pl.ds(0, width)
+    acc_logw = jnp.where(live, logw_buf[:, beam], neg)
+    acc_tok, acc_par = jnp.where(live, tok_buf[:, beam], 0), jnp.where(live, par_buf[:, beam], -1)
+    acc_words = [jnp.where(live, words_buf[x, :, beam], 0) for x in range(words)]
+    _search_order(acc_logw, acc_tok, acc_par, acc_words, (tok_out, par_out, depth_out, logw_out),
+                  (logw_buf, words_buf, place_buf), barrier=barrier)
 
 
 def _search_order(acc_logw, acc_tok, acc_par, acc_words, outs, scratch, *, barrier):
-    """`_count_order`'s fields stored into ``outs`` (tokens, parents, depths, logw; ``[L2 * B]`` each,
-    of which the caller keeps the first ``B``) at each entry's place.
+    """The fields of the entries in the global order, stored into ``outs`` (tokens, parents, depths,
+    logw; ``[L2 * B]`` each, of which the caller keeps the first ``B``) at each entry's place: tokens,
+    parent nodes (0 the root, -1 padding), depths (1 at the first), logw (-inf padding).
 
     Each row is a beam, sorted by the order's key (-logw, words, ``d * width + w``), so the entries of
     row d' before entry (d, w) are a prefix of it, whose length a binary search over the stored row
     finds: ``log2(width) + 1`` steps, each a load per key over ``[L2 (d'), L2 (d), width (w)]`` lanes.
     The place is the sum over d'. The places form a permutation of the ``L2 * B`` slots, each stored
     once; an entry's parent node is its parent's place + 1, loaded from the stored places
-    (``scratch``: `_kernel`'s, the places last)."""
+    (``scratch``: `_kernel`'s logw, rank words and places)."""
     neg = jnp.float32(-jnp.inf)
-    logw_buf, _, _, words_buf, place_buf = scratch
+    logw_buf, words_buf, place_buf = scratch
     depth2, width = acc_logw.shape
     rows, cols = _iota((depth2, width), 0), _iota((depth2, width), 1)
     beam = pl.ds(0, width)
@@ -459,53 +328,3 @@ def _search_order(acc_logw, acc_tok, acc_par, acc_words, outs, scratch, *, barri
               jnp.where(real, rows + 1, 0), jnp.where(real, acc_logw, neg))
     for out, field in zip(outs, fields):
         plt.store(out.at[place], field)
-
-
-def _merge_order(acc_logw, acc_tok, acc_par, acc_words, *, budget, depth, scratch=None):
-    """`_count_order`'s fields by merging the rows: each row is a beam, sorted by (-logw, words) with
-    distinct words, so output slot s is the best of the rows' heads (ties by row, which only -inf
-    entries can reach), and a popped entry's parent, which sorts before it, is numbered already.
-    The rows' heads are one-hot reductions over the ``[L2, B]`` tiles, or with `_kernel`'s ``scratch``
-    (its first ``depth`` rows stored and behind a barrier) indexed loads."""
-    neg = jnp.float32(-jnp.inf)
-    depth2, width = acc_logw.shape
-    rows, cols = _iota((depth2, width), 0), _iota((depth2, width), 1)
-    row_ids, slots = _iota((depth2,), 0), _iota((budget,), 0)
-    int_max = jnp.int32(np.iinfo(np.int32).max)
-
-    def heads(head_of):
-        """The rows' head entries: ``[L2]`` logw, tokens, parents and each rank word (a row past its end:
-        -inf and zeros)."""
-        if scratch is None:
-            head = cols == head_of[:, None]
-            return (_collapse(jnp.where(head, acc_logw, neg)),
-                    *[_collapse(jnp.where(head, a, 0)) for a in (acc_tok, acc_par, *acc_words)])
-        logw_buf, tok_buf, par_buf, words_buf = scratch
-        live, h = (head_of < width) & (row_ids < depth), jnp.minimum(head_of, width - 1)
-        ints = [plt.load(buf.at[row_ids, h]) for buf in (tok_buf, par_buf)]
-        ints += [plt.load(words_buf.at[jnp.full((depth2,), x, jnp.int32), row_ids, h]) for x in range(len(acc_words))]
-        return jnp.where(live, plt.load(logw_buf.at[row_ids, h]), neg), *[jnp.where(live, v, 0) for v in ints]
-
-    def pop(s, carry):
-        head_of, node, tok_s, par_s, depth_s, logw_s = carry  # head_of[d]: row d's next entry
-        head_logw, head_tok, head_par, *head_words = heads(head_of)
-        key_min = jnp.min(-head_logw)  # -logw of the entry popped
-        best = -head_logw == key_min
-        for key in head_words:
-            best = best & (key == jnp.min(jnp.where(best, key, int_max)))
-        d = jnp.min(jnp.where(best, row_ids, depth2))
-        at_d = row_ids == d
-        logw = -key_min
-        above = jnp.sum(jnp.where(at_d, head_par, 0))
-        parent = jnp.sum(jnp.where((rows == d - 1) & (cols == above), node, 0))  # 0 (the root) at d = 0
-        real, slot = logw > neg, slots == s
-        at = (rows == d) & (cols == head_of[:, None])
-        return (head_of + at_d.astype(jnp.int32), jnp.where(at, s + 1, node),
-                jnp.where(slot & real, jnp.sum(jnp.where(at_d, head_tok, 0)), tok_s),
-                jnp.where(slot & real, parent, par_s), jnp.where(slot & real, d + 1, depth_s),
-                jnp.where(slot & real, logw, logw_s))
-
-    zeros = jnp.zeros((budget,), jnp.int32)
-    carry = (jnp.zeros((depth2,), jnp.int32), jnp.zeros((depth2, width), jnp.int32), zeros, zeros - 1, zeros,
-             jnp.full((budget,), neg))
-    return jax.lax.fori_loop(0, budget, pop, carry)[2:]

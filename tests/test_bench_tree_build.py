@@ -58,22 +58,18 @@ def test_bench_tree_build_kernel_variants(tmp_path):
     launch builds the same tree."""
     out = tmp_path / "tree_build.json"
     argv = ["--vocab", "512", "--depth", "3", "--budgets", "8,64", "--batches", "1", "--repeats", "1",
-            "--kernel-variants", "w2,c8m,w16c32m,g,w16c32sg,w16c32sgp", "--out", str(out)]
+            "--kernel-variants", "w2,c8,w16c64,c0", "--out", str(out)]
     assert bench_tree_build.main(argv) == 0
     small, large = json.loads(out.read_text())["rows"]
-    for v in ("w2", "c8m", "w16c32m", "g", "w16c32sg", "w16c32sgp"):
+    for v in ("w2", "c8", "w16c64", "c0"):
         assert small[f"kernel_{v}_equal"] is True and small[f"beam_kernel_{v}_in_loop_ms"] > 0
     assert small["beam_in_loop_ms"] > 0 and small["beam_kernel_in_loop_ms"] > 0
-    assert large["kernel_equal"] is True and large["kernel_w16c32m_equal"] is True  # B = 64
-    assert large["kernel_w16c32sg_equal"] is True and large["kernel_w16c32sgp_equal"] is True
-    assert "kernel_c8m_equal" not in large and "kernel_w2_equal" not in large  # 35 chunks; a 512-wide tile
-    assert bench_tree_build.parse_variant("w16c32m") == TreeBuildConfig(num_warps=16, chunk=32, order="merge")
-    assert bench_tree_build.parse_variant("c32mg") == TreeBuildConfig(chunk=32, order="merge", gather="loads")
-    assert bench_tree_build.parse_variant("c32sg") == TreeBuildConfig(chunk=32, order="search", gather="loads")
-    assert bench_tree_build.parse_variant("c32sgp") == TreeBuildConfig(chunk=32, order="search", gather="loads",
-                                                                       pick="scatter")
-    for bad, message in [("w3", "num_warps must be"), ("m32", "w<warps>, c<chunk>, m"), ("gm", "w<warps>, c<chunk>, m"),
-                         ("c32s", "needs gather='loads'"), ("c32mgp", "needs order='search'"),
-                         ("c12", "chunk must be")]:
+    assert large["kernel_equal"] is True and large["kernel_w16c64_equal"] is True and large["kernel_w2_equal"]  # B = 64
+    assert "kernel_c8_equal" not in large and "kernel_c0_equal" not in large  # 35 chunks; a 512-wide tile
+    assert bench_tree_build.parse_variant("w16c64") == TreeBuildConfig(num_warps=16, chunk=64)
+    assert bench_tree_build.parse_variant("c0") == TreeBuildConfig(chunk=0)
+    assert bench_tree_build.parse_variant("w4") == TreeBuildConfig(num_warps=4, chunk=TreeBuildConfig().chunk)
+    for bad, message in [("w3", "num_warps must be"), ("c32w16", "w<warps> and c<chunk> in that order"),
+                         ("c32s", "w<warps> and c<chunk>"), ("c12", "chunk must be")]:
         with pytest.raises(ValueError, match=f"--kernel-variants: .*{message}"):
             bench_tree_build.main(["--kernel-variants", bad, "--out", str(tmp_path / "x.json")])

@@ -1,7 +1,6 @@
 """Tree-build kernel (beam + global order) vs its jnp reference and the library's XLA path (Pallas
 interpreter on CPU), its Triton lowering, and its bad input."""
 
-import dataclasses
 import functools
 
 import jax
@@ -55,33 +54,23 @@ def assert_equal_nodes(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
-COUNT = TreeBuildConfig()
-MERGE = TreeBuildConfig(chunk=8, order="merge")
-LOADS = TreeBuildConfig(gather="loads")
-SEARCH = TreeBuildConfig(order="search", gather="loads")
-SEARCH_64 = TreeBuildConfig(num_warps=16, chunk=32, order="search", gather="loads")
+ONE_TILE = TreeBuildConfig(chunk=0)
+CHUNK_8 = TreeBuildConfig(chunk=8)
+CHUNK_64 = TreeBuildConfig(num_warps=16, chunk=64)
 # (batch, depth, vocab, budget, k, launch; None: `tree_build_config`'s): compiled once each. Budgets 2
 # to 64 with k = budget and below it (a per-depth cap, k = 1 a chain), depth 1, the embedded drafter's
 # 15 and the most, 16; rank tuples in one word (k = 1) and in several (k = 16, 32, 64: three, four and
 # four words at depth 15); fewer candidate paths than the budget (vocab 3: padding nodes, -inf entries
-# in the rows); one count tile and chunks of 8 to 64 candidates (a last chunk part padding); the count
-# order, the merge and the search; candidates gathered by one-hot reductions and by loads; the new beam
-# picked by one-hot reductions and by stores at the candidates' ranks; budgets between
-# powers of two (3, 5, 15, 24, 63: built as the first nodes of the next power of two's tree).
+# in the rows); one count tile and chunks of 8 to 64 candidates (a last chunk part padding); budgets
+# between powers of two (3, 5, 15, 24, 63: built as the first nodes of the next power of two's tree).
 SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8, None), (2, 3, 3, 16, 3, None),
           (1, 1, 50, 4, 4, None), (2, 16, 100, 32, 4, None), (1, 7, 64, 16, 1, None), (2, 9, 64, 32, 32, None),
           (1, 2, 5, 2, 2, None), (2, 15, 300, 64, 64, None),
-          (1, 16, 40, 64, 4, TreeBuildConfig(chunk=64, order="merge")), (2, 15, 300, 16, 16, MERGE),
-          (2, 3, 3, 16, 3, MERGE), (1, 1, 50, 4, 4, MERGE), (1, 2, 5, 2, 2, MERGE),
-          (2, 9, 64, 32, 32, TreeBuildConfig(chunk=32)), (2, 9, 64, 32, 32, TreeBuildConfig(order="merge")),
-          (2, 15, 300, 16, 16, COUNT), (1, 15, 300, 16, 4, COUNT), (2, 3, 3, 16, 3, COUNT),
-          (2, 15, 300, 16, 16, LOADS), (2, 3, 3, 16, 3, LOADS), (1, 2, 5, 2, 2, LOADS),
-          (2, 3, 3, 16, 3, TreeBuildConfig(order="merge", gather="loads")),
-          (2, 15, 300, 64, 64, TreeBuildConfig(num_warps=16, chunk=32, order="merge")),
-          (2, 15, 300, 16, 16, SEARCH), (2, 3, 3, 16, 3, SEARCH), (1, 2, 5, 2, 2, SEARCH), (1, 1, 50, 4, 4, SEARCH),
-          (1, 16, 40, 64, 4, SEARCH_64), (2, 15, 300, 64, 64, SEARCH_64),
-          (2, 15, 300, 15, 15, None), (1, 15, 300, 63, 4, None), (2, 3, 3, 5, 3, None), (1, 4, 40, 3, 2, MERGE),
-          (2, 9, 64, 24, 8, COUNT)]
+          (2, 15, 300, 15, 15, None), (1, 15, 300, 63, 4, None), (2, 3, 3, 5, 3, None),
+          (1, 16, 40, 64, 4, CHUNK_64), (2, 15, 300, 64, 64, CHUNK_64), (2, 15, 300, 16, 16, CHUNK_8),
+          (2, 3, 3, 16, 3, CHUNK_8), (1, 1, 50, 4, 4, CHUNK_8), (1, 2, 5, 2, 2, CHUNK_8), (1, 4, 40, 3, 2, CHUNK_8),
+          (2, 15, 300, 16, 16, ONE_TILE), (2, 3, 3, 16, 3, ONE_TILE), (2, 9, 64, 32, 4, ONE_TILE),
+          (2, 9, 64, 24, 8, ONE_TILE)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -103,17 +92,15 @@ def test_reference_equals_library_beyond_the_kernel(budget, k):
 
 
 @pytest.mark.parametrize("budget, k, depth, config", [
-    (16, 16, 15, None), (16, 4, 15, None), (32, 32, 15, None), (32, 32, 15, TreeBuildConfig(num_warps=16)),
-    (64, 64, 15, None), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=64, order="merge")),
-    (16, 16, 15, TreeBuildConfig(chunk=16, order="merge")), (2, 1, 1, TreeBuildConfig(num_warps=1)),
-    (16, 16, 15, LOADS), (16, 16, 15, COUNT), (64, 64, 15, TreeBuildConfig(num_warps=16, chunk=32, order="merge")),
-    (16, 4, 15, SEARCH), (64, 4, 15, SEARCH_64), (64, 64, 16, SEARCH_64), (63, 4, 15, None), (64, 4, 15, None)])
+    (16, 16, 15, None), (16, 4, 15, None), (32, 32, 15, None), (64, 64, 15, None), (63, 4, 15, None),
+    (64, 4, 15, None), (64, 64, 16, None), (32, 32, 15, TreeBuildConfig(num_warps=16)),
+    (2, 1, 1, TreeBuildConfig(num_warps=1)), (16, 16, 15, ONE_TILE), (16, 16, 15, TreeBuildConfig(chunk=16)),
+    (64, 64, 15, CHUNK_64)])
 def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
     (module,) = verified_triton_modules(lambda lp, ids: tree_nodes(lp, ids, budget=budget, config=config), *shapes)
-    assert "tt.reduce" in module
-    # loads: the threads meet after each beam's stores, which the candidates, the merge and the search load
-    assert ("gpu.barrier" in module) == ((config or tree_build_config(budget, k)).gather == "loads")
+    # the count's reductions; the threads meet after each depth's stores, which the next depth and the order load
+    assert "tt.reduce" in module and "gpu.barrier" in module
 
 
 def test_kernel_supports_budgets_up_to_64():
@@ -125,18 +112,15 @@ def test_kernel_supports_budgets_up_to_64():
 
 
 def test_launches_and_the_shapes_they_take():
-    """The measured launches: chunks of 32, the search order, loads and scatter picks, 8 warps, 16 at
-    B = 64 (one tile of B = 64's 280 candidates would be 512 wide). Each default takes every width its
-    budget allows."""
+    """The measured launches: chunks of 32, 8 warps, 16 at B = 64 (one tile of B = 64's 280 candidates
+    would be 512 wide). Each default takes every width its budget allows."""
     assert candidate_chunks(16, 16, 0) == (64, 1) and candidate_chunks(64, 64, 32) == (32, 9)
-    scatter = TreeBuildConfig(num_warps=8, chunk=32, order="search", gather="loads", pick="scatter")
-    assert tree_build_config(16, 16) == tree_build_config(2, 1) == tree_build_config(32, 32) == scatter
-    assert tree_build_config(64, 4) == tree_build_config(64, 64) == dataclasses.replace(scatter, num_warps=16)
+    assert tree_build_config(16, 16) == tree_build_config(2, 1) == tree_build_config(32, 32) == TreeBuildConfig()
+    assert tree_build_config(64, 4) == tree_build_config(64, 64) == TreeBuildConfig(num_warps=16, chunk=32)
     assert all(tree_build_config(b, k).supports(b, k) for b in (2, 4, 8, 16, 32, 64) for k in range(1, b + 1))
-    assert not TreeBuildConfig().supports(64, 64)  # a 512-wide tile
-    assert not TreeBuildConfig(chunk=32).supports(64, 64)  # the count order past 32
-    assert not TreeBuildConfig(chunk=8, order="merge").supports(64, 64)  # 35 chunks: 35^2 tiles unrolled
-    assert TreeBuildConfig(chunk=16, order="merge").supports(32, 32)
+    assert not ONE_TILE.supports(64, 64)  # a 512-wide tile
+    assert not CHUNK_8.supports(64, 64)  # 35 chunks: 35^2 tiles unrolled
+    assert CHUNK_8.supports(16, 16) and ONE_TILE.supports(32, 4)
 
 
 def test_bad_input_raises_clear_errors():
@@ -152,14 +136,9 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="config 4 does not take"):
         tree_nodes(lp, ids, budget=4, config=4)
     for field, value, message in [("num_warps", 3, "num_warps must be one of"), ("chunk", 12, "chunk must be 0 or"),
-                                  ("chunk", 256, "chunk must be 0 or"), ("order", "sort", "order must be one of"),
-                                  ("gather", "scan", "gather must be one of"),
-                                  ("order", "search", "needs gather='loads'"),
-                                  ("pick", "gather", "pick must be one of")]:
+                                  ("chunk", 256, "chunk must be 0 or")]:
         with pytest.raises(ValueError, match=message):
             TreeBuildConfig(**{field: value})
-    with pytest.raises(ValueError, match="pick='scatter' keeps the beams in the scratch rows only: it needs order="):
-        TreeBuildConfig(gather="loads", order="merge", pick="scatter")
 
 
 def test_gpu_equality_script_tree_build_part_runs_interpreted(monkeypatch):
@@ -167,7 +146,7 @@ def test_gpu_equality_script_tree_build_part_runs_interpreted(monkeypatch):
     broken kernel fails it."""
     from experiments import check_kernels
 
-    cases = [(2, 5, 300, 16, 4, True, None), (1, 3, 40, 8, 8, False, TreeBuildConfig(chunk=8, order="merge"))]
+    cases = [(2, 5, 300, 16, 4, True, None), (1, 3, 40, 8, 8, False, CHUNK_8)]
     assert [r["ok"] for r in check_kernels.check_tree_build(interpret=True, cases=cases)] == [True, True]
 
     def off_by_one(lp, ids, *, budget, config, interpret):
