@@ -24,9 +24,14 @@ def test_merge_weights_first_equals_the_shipped_merge():
                                np.asarray(split_k.merge_splits(o, m, l_)), rtol=1e-5, atol=1e-6)
 
 
-def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path):
+def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path, monkeypatch):
+    """Every (variant, round) row is written; the variants of a round share one state (one KV cache a
+    round, not one a variant); the patched merge and configs are restored."""
     out = tmp_path / "merge.json"
     before = dict(configs.TREE_ATTENTION_CONFIGS)
+    made, make_state = [], bench_attention_merge.bench.make_state
+    monkeypatch.setattr(bench_attention_merge.bench, "make_state",
+                        lambda *a: made.append(a[2].method) or make_state(*a))
     variants = ("shipped", "by_capacity", "weights_first", "whole_waves", "programs_64")
     argv = ["--shapes", "tiny", "--context", "16", "--batch", "2", "--budgets", "4,8", "--variants", ",".join(variants),
             "--repeats", "1", "--out", str(out)]
@@ -35,6 +40,7 @@ def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path):
     assert [(r["variant"], r["round"]) for r in rows] == [
         (v, m) for v in variants for m in ("ar", "ddtree4", "ddtree8")]
     assert all(r["back_to_back_ms"] > 0 for r in rows)
+    assert made == ["ar", "ddtree", "ddtree"]
     assert tree_attention.merge_splits is split_k.merge_splits and configs.TREE_ATTENTION_CONFIGS == before
 
 
