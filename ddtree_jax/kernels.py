@@ -36,9 +36,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
 The tree build (``build_impl``): its beam and global order are the tree-build kernel, one program per
 request, on a supported GPU without a mesh for the budgets the kernel takes (2 to 64, each built at the
 next power of two; 16 is the CLI's default), XLA's ops elsewhere (``ddtree_jax.tree``). On an H100 at
-K = 4 the kernel's beam and order took 0.040 / 0.054 / 0.086 ms
-against XLA's 0.102 / 0.122 / 0.125 at B = 16 / 32 / 64 (batch 1; BENCHMARKS.md). ``pallas`` and
-``auto`` run it alike, with `tree_build.tree_build_config`'s launch.
+K = 4 the kernel's beam and order took 0.040 / 0.054 / 0.086 ms against XLA's 0.102 / 0.122 / 0.125 at
+B = 16 / 32 / 64 (batch 1; BENCHMARKS.md). ``pallas`` and ``auto`` run it alike, with
+`tree_build.tree_build_config`'s launch.
 
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the

@@ -155,7 +155,7 @@ def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
     lp = jnp.pad(lp_BLK, pad, constant_values=-jnp.inf)
     tok = jnp.pad(tok_BLK, pad)
     bits, per_word, words = rank_packing(k, depth)
-    kernel = functools.partial(_kernel, budget=width, k=k, depth=depth, bits=bits, per_word=per_word, words=words,
+    kernel = functools.partial(_kernel, width=width, k=k, depth=depth, bits=bits, per_word=per_word, words=words,
                                tile=tile, chunks=chunks, barrier=not interpret)
     row_spec = pl.BlockSpec((None, depth2, k2), lambda b: (b, 0, 0))
     pair_spec = pl.BlockSpec((tile * chunks,), lambda b: (0,))
@@ -200,15 +200,15 @@ def _precedes(keys_q, keys_p, before):
 
 
 def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out, logw_out, logw_buf, tok_buf,
-            par_buf, words_buf, place_buf, *, budget, k, depth, bits, per_word, words, tile, chunks, barrier):
-    """Program b: request b's beam over the ``[L2, K2]`` rows, then its ``budget`` first entries.
+            par_buf, words_buf, place_buf, *, width, k, depth, bits, per_word, words, tile, chunks, barrier):
+    """Program b: request b's beams, ``width`` entries a depth, over the ``[L2, K2]`` rows, then every
+    entry stored at its place in the global order.
     Scratch: every depth's ranked candidates as a row, logw, tokens, parents ``[L2, C]`` and rank words
     ``[words, L2, C]`` (``C`` the depth's padded candidates, the beam the first ``B`` of a row), and the
     ``[L2, B]`` places of the entries; ``barrier``: whether to synchronise the program's threads
     between their stores and loads (not in the interpreter, which runs them in order)."""
     neg = jnp.float32(-jnp.inf)
     depth2, k2 = lp_ref.shape
-    width = budget
     rows = _iota((depth2, width), 0)
 
     # depth 1: the beam is the row's first K entries (ranks 0..K-1), padded with -inf
