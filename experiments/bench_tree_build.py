@@ -4,7 +4,7 @@ Times, in one process (jit, warm, ``block_until_ready``, median of repeats), for
 budget B (``--topk-cap``, default none, so K = B):
   full          = the XLA tree build (``build_impl="xla"``) + tree_attention_mask + tree_positions
                   from draft logits [batch, L, V], as the engine's round uses them
-  full_in_loop  = the same, per build of 10 builds in one call (a ``lax.fori_loop``, one element of
+  full_in_loop  = the same, per build of 20 builds in one call (a ``lax.fori_loop``, one element of
                   the drafts changed a step): its cost inside a jitted round, where no dispatch is paid
   log_softmax   = the draft log-probabilities alone
   top_k         = the exact vocabulary top-K the build uses (`selection.top_k`, from log-probabilities;
@@ -19,7 +19,7 @@ budget B (``--topk-cap``, default none, so K = B):
                   whether its tree equals the XLA path's on this device
   beam_in_loop, beam_kernel_in_loop
                 = the beam and global order alone (from the top-K), XLA's and the kernel's, per call
-                  of 10 in one jitted loop; ``--kernel-variants w16,c0`` adds
+                  of 20 in one jitted loop; ``--kernel-variants w16,c0`` adds
                   ``beam_kernel_<variant>_in_loop`` (and ``kernel_<variant>_equal``): the kernel with
                   another launch than the library's (`tree_build.tree_build_config`; `parse_variant`:
                   warps, candidates a count tile)
@@ -48,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax import kernels, selection  # noqa: E402
 from ddtree_jax.experiments import profiling  # noqa: E402
-from ddtree_jax.experiments.bench import checksum, loop_ms, nudge  # noqa: E402
+from ddtree_jax.experiments.bench import checksum, loop_ms, nudged_loop_ms  # noqa: E402
 from ddtree_jax.experiments.flags import int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.tree import (  # noqa: E402
@@ -143,12 +143,9 @@ def beam_in_loop_ms(beam_fn, drafts, roots, k, repeats) -> float:
 
 def in_loop_ms(draft_logits, roots, budget, topk_cap, impl, repeats) -> float:
     """ms per build + encodings by ``impl`` (`kernels.tree_build_fn`) of ``draft_logits`` inside one
-    jitted loop, the logits threaded through it and nudged a step (`bench.nudge`: no build hoisted out)."""
-    def step(roots, i, carry):
-        acc, drafts = carry
-        drafts = nudge(drafts)
-        return acc + checksum(build_and_encode(drafts, roots, budget, topk_cap, impl)), drafts
-    return loop_ms(step, roots, (jnp.float32(0), draft_logits), max(3, repeats // 4), steps=LOOP_STEPS)
+    jitted loop, the logits threaded through it and nudged a step (`bench.nudged_loop_ms`)."""
+    return nudged_loop_ms(lambda roots, drafts: build_and_encode(drafts, roots, budget, topk_cap, impl), roots,
+                          draft_logits, max(3, repeats // 4), steps=LOOP_STEPS)
 
 
 def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, variants=()) -> dict:

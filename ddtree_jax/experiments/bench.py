@@ -167,6 +167,15 @@ def loop_ms(body, operands, init, repeats: int, steps: int = LOOP_STEPS) -> floa
     return median_ms(lambda: run(operands, init), repeats) / steps
 
 
+def nudged_loop_ms(fn, operands, x, repeats: int, steps: int = LOOP_STEPS) -> float:
+    """`loop_ms` of ``fn(operands, x)``, with ``x`` threaded through the loop's carry and `nudge`d a step."""
+    def body(ops, i, carry):
+        acc, x = carry
+        x = nudge(x)
+        return acc + checksum(fn(ops, x)), x
+    return loop_ms(body, operands, (jnp.float32(0), x), repeats, steps)
+
+
 def back_to_back_ms(fn, repeats: int, steps: int = LOOP_STEPS) -> float:
     """Median ms per call of ``steps`` calls of ``fn()`` queued without waiting, then one
     ``block_until_ready`` (a warm call first): for calls longer than their dispatch, the device's
@@ -312,16 +321,6 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
         out, cache = draft(ops[0], ops[1], cache, feats, *ops[2:])
         return acc + checksum(out), dataclasses.replace(cache, lengths=state.drafter_cache.lengths), feats
 
-    def build_step(root, i, carry):
-        acc, drafts = carry
-        drafts = nudge(drafts)
-        return acc + checksum(build(drafts, root)), drafts
-
-    def sample_step(tree, i, carry):
-        acc, logits = carry
-        logits = nudge(logits)
-        return acc + checksum(sample(tree, logits)), logits
-
     return dict(
         drafter_ms=median_ms(lambda: draft(*draft_args)[0], repeats),
         drafter_in_loop_ms=loop_ms(draft_step, (drafter, target, *draft_args[4:]),
@@ -331,8 +330,8 @@ def time_parts(target, drafter, spec, state, sampling, repeats) -> dict[str, flo
                                     repeats),
         sampling_ms=median_ms(lambda: sample(tree, logits), repeats),
         commit_ms=median_ms(lambda: keep(cache, taps, res.accept_index, res.num_accepted), repeats),
-        tree_in_loop_ms=loop_ms(build_step, state.root, (jnp.float32(0), draft_logits), repeats),
-        sampling_in_loop_ms=loop_ms(sample_step, tree, (jnp.float32(0), logits), repeats),
+        tree_in_loop_ms=nudged_loop_ms(lambda root, drafts: build(drafts, root), state.root, draft_logits, repeats),
+        sampling_in_loop_ms=nudged_loop_ms(sample, tree, logits, repeats),
     )
 
 
