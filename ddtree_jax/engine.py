@@ -365,8 +365,9 @@ def prefill(target: Target, drafter: Drafter | None, prompt_BT, prompt_len_B, *,
     drafter_cache = None
     if drafter is not None:
         dc = drafter.config
-        drafter_cache = init_cache(dc.num_hidden_layers, batch, dc.num_key_value_heads, max_len, dc.head_dim,
-                                   drafter.dtype)
+        # a round writes up to block_size context rows, then its block after them (`drafter_forward`)
+        drafter_cache = init_cache(dc.num_hidden_layers, batch, dc.num_key_value_heads, max_len + dc.block_size,
+                                   dc.head_dim, drafter.dtype)
         drafter_cache = append_context(drafter, drafter_cache, taps, positions, committed,
                                        kernels.matmul_fn(spec.matmul_impl, mesh),
                                        kernels.kv_write_fn(spec.attention_impl, mesh))

@@ -21,7 +21,7 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
                 (BENCHMARKS.md). Where the norms run alone (the packed
                 rows of ``budget_policy="batch"``), xla: the one-launch
                 `qk_norm_rope` measured no faster than XLA's fusions; the
-                write alone (that path, the drafter's context) is the
+                write alone (that path, the drafter's prefill) is the
                 `kv_write` kernel where its heads are powers of two
   matmul        xla: XLA's own Triton GEMMs streamed the decode step's     xla
                 weights faster than the skinny-matmul kernel at every

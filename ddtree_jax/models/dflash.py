@@ -160,10 +160,12 @@ def _block_tokens(cfg: DFlashConfig, root_tokens_B):
     return jnp.concatenate([root_tokens_B[:, None].astype(jnp.int32), masks_BL], axis=1)
 
 
-def _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, state, matmul=matmul_reference):
+def _run_block(drafter, target, feat_BCD, block_tokens_BQ, positions_BX, attend, state, matmul=matmul_reference):
+    """The block through the drafter's layers, the context features ``feat [B, C, D]`` joining every
+    layer's keys and values as the first ``C`` of its ``X = C + Q`` attention rows (`L.run_decoder`)."""
     x_BQD = target.params.embed[block_tokens_BQ].astype(drafter.dtype)
-    x_BQD, _, state = L.run_decoder(drafter.params.layers, L.layer_shape(drafter.config), x_BQD,
-                                    block_positions_BQ, attend, state, matmul=matmul)
+    x_BQD, _, state = L.run_decoder(drafter.params.layers, L.layer_shape(drafter.config), x_BQD, positions_BX, attend,
+                                    state, matmul=matmul, context_BCD=feat_BCD.astype(drafter.dtype))
     return x_BQD, state
 
 
@@ -173,16 +175,14 @@ def _drafter_hidden(drafter, target, ctx_feats_BCF, ctx_positions_BC, block_toke
     feat_BCD = context_features(drafter, ctx_feats_BCF)
     no_prefix_B = jnp.zeros(block_tokens_BQ.shape[:1], jnp.int32)
     attention = kernels.attention_fn("xla")
-    ctx_rope_BCF = rope_tables(ctx_positions_BC, shape.head_dim, shape.rope_theta)
 
-    def attend(i, inputs, state):
-        q_BQHD, k_BQKD, v_BQKD = inputs.split()
-        ctx_k_BCKD, ctx_v_BCKD = L.key_value(drafter.params.layers[i], feat_BCD, ctx_rope_BCF, shape)
-        k_BKSD = jnp.concatenate([ctx_k_BCKD, k_BQKD], axis=1).transpose(0, 2, 1, 3)
-        v_BKSD = jnp.concatenate([ctx_v_BCKD, v_BQKD], axis=1).transpose(0, 2, 1, 3)
-        return attention(q_BQHD, k_BKSD, v_BKSD, no_prefix_B, mask_BQK, scale=shape.head_dim ** -0.5), state
+    def attend(i, inputs, state):  # the block's queries over the context's and the block's keys
+        q_BXHD, k_BXKD, v_BXKD = inputs.split()
+        return attention(q_BXHD[:, ctx_positions_BC.shape[1]:], k_BXKD.transpose(0, 2, 1, 3),
+                         v_BXKD.transpose(0, 2, 1, 3), no_prefix_B, mask_BQK, scale=shape.head_dim ** -0.5), state
 
-    return _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, None)[0]
+    positions_BX = jnp.concatenate([ctx_positions_BC, block_positions_BQ], axis=1)
+    return _run_block(drafter, target, feat_BCD, block_tokens_BQ, positions_BX, attend, None)[0]
 
 
 def drafter_hidden(drafter: Drafter, target: Target, ctx_feats_BCF, ctx_positions_BC, block_tokens_BQ,
@@ -232,15 +232,20 @@ def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ct
                      root_tokens_B, root_positions_B, attention_impl, matmul_impl, mesh):
     cfg = drafter.config
     matmul = kernels.matmul_fn(matmul_impl, mesh)
-    cache = append_context(drafter, cache, ctx_feats_BCF, ctx_positions_BC, ctx_count_B, matmul,
-                           kernels.kv_write_fn(attention_impl, mesh))
-    batch = root_tokens_B.shape[0]
+    batch, num_ctx = ctx_positions_BC.shape
+    feat_BCD = context_features(drafter, ctx_feats_BCF, matmul)
     block_tokens_BQ = _block_tokens(cfg, root_tokens_B)
     block_positions_BQ = root_positions_B[:, None] + jnp.arange(cfg.block_size)[None, :]
-    attend = L.cached_attend(jnp.ones((batch, cfg.block_size, cfg.block_size), bool), cfg.head_dim ** -0.5,
-                             attention_impl, mesh, split_heads=False)
-    hidden_BQD, cache = _run_block(drafter, target, block_tokens_BQ, block_positions_BQ, attend, cache, matmul)
-    return drafter_head(drafter, target, hidden_BQD[:, 1:], matmul), cache
+    positions_BX = jnp.concatenate([ctx_positions_BC, block_positions_BQ], axis=1)
+    # Each layer writes the context rows' K/V at [lengths, lengths + C) and the block's after them; the
+    # block sees the committed cache, the first ctx_count context rows and itself.
+    visible_BX = jnp.concatenate([jnp.arange(num_ctx)[None, :] < ctx_count_B[:, None],
+                                  jnp.ones((batch, cfg.block_size), bool)], axis=1)
+    mask_BQX = jnp.broadcast_to(visible_BX[:, None, :], (batch, cfg.block_size, visible_BX.shape[1]))
+    attend = L.cached_attend(mask_BQX, cfg.head_dim ** -0.5, attention_impl, mesh, split_heads=False)
+    hidden_BQD, cache = _run_block(drafter, target, feat_BCD, block_tokens_BQ, positions_BX, attend, cache, matmul)
+    lengths_B = jnp.minimum(cache.lengths + ctx_count_B.astype(jnp.int32), cache.max_len)
+    return drafter_head(drafter, target, hidden_BQD[:, 1:], matmul), KVCache(k=cache.k, v=cache.v, lengths=lengths_B)
 
 
 def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_BCF, ctx_positions_BC,
@@ -248,16 +253,16 @@ def drafter_forward(drafter: Drafter, target: Target, cache: KVCache, ctx_feats_
                     mesh=None):
     """One drafting step with the drafter's context cache.
 
-    First appends context: the first ``ctx_count[b]`` of the C rows of ``ctx_feats [B, C, F]``
-    (raw target taps at ``ctx_positions [B, C]``) are projected to each layer's K/V and written
-    at slots ``[lengths, lengths + ctx_count)``, then ``lengths += ctx_count`` (later rows are
-    ignored). Then the block ``[root, MASK x (block_size - 1)]`` at positions
-    ``root_positions + arange(block_size)`` attends non-causally to all committed context and
-    to itself (its K/V use the scratch region and are never committed).
+    Appends context: the first ``ctx_count[b]`` of the C rows of ``ctx_feats [B, C, F]`` (raw
+    target taps at ``ctx_positions [B, C]``) are projected to each layer's K/V and written at slots
+    ``[lengths, lengths + ctx_count)``, then ``lengths += ctx_count`` (later rows are ignored). The
+    block ``[root, MASK x (block_size - 1)]`` at positions ``root_positions + arange(block_size)``
+    attends non-causally to all committed context and to itself (its K/V go to the slots after the C
+    context rows' and are never committed). Each layer projects the context rows and the block in one
+    product.
     Returns ``draft_logits [B, block_size - 1, V]`` float32 (slot k predicts position
     ``root_position + k``; ``[B, block_size - 1, W]`` with a draft vocabulary, see `drafter_head`)
-    and the cache. Needs ``lengths + C`` and ``lengths + ctx_count + block_size`` within ``max_len``
-    (see `check_capacity`).
+    and the cache. Needs ``lengths + C + block_size`` within ``max_len`` (see `check_capacity`).
     ``attention_impl``, ``matmul_impl``: each one of `kernels.IMPLS` (see `ddtree_jax.kernels`).
     ``mesh``: the ``("dp", "tp")`` mesh the drafter (replicated) and its cache (batch over ``"dp"``)
     are placed on, for the kernels to run per device inside ``shard_map`` with whole heads

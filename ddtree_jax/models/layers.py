@@ -16,7 +16,7 @@ import numpy as np
 from ddtree_jax import kernels
 from ddtree_jax.models.cache import KVCache
 from ddtree_jax.models.params import DecoderLayer
-from pallas_kernels.matmul_reference import matmul_reference
+from pallas_kernels.matmul_reference import matmul_reference, rms_norm
 from pallas_kernels.qk_norm_rope_reference import norm_rotate, qk_norm_rope_reference, rope_tables
 
 
@@ -56,7 +56,8 @@ def key_value(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=ma
     """Keys and values of inputs ``x [B, N, D]`` from the k/v columns of ``wqkv`` (read in place).
 
     Returns ``k_BNKD`` (k_norm then RoPE by ``rope_BNF``, the inputs' ``(cos, sin)`` `rope_tables`)
-    and ``v_BNKD``. The DFlash drafter uses this alone for its context features, which have no queries.
+    and ``v_BNKD``. The DFlash drafter's prefill uses this alone for a prompt's context features, which
+    have no queries (a round projects them with its block, `run_decoder`'s ``context``).
     """
     q_cols, kv_cols = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
     kv_BNC = project(matmul, x_BND, layer.wqkv, columns=(q_cols, layer.wqkv.shape[1]))
@@ -96,10 +97,17 @@ class HeadInputs:
         return qk_norm_rope(*self.args, **self.kwargs)
 
 
-def attention_inputs(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=matmul_reference) -> HeadInputs:
+def attention_inputs(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=matmul_reference,
+                     context_BCD=None) -> HeadInputs:
     """Input norm and the fused q/k/v projection of a decoder layer (one product, the norm as its
-    prologue), with the layer's q/k norms and the forward's ``(cos, sin)`` `rope_tables` ``rope_BNF``."""
-    qkv_BNC = project(matmul, x_BND, layer.wqkv, norm_K=layer.input_norm, eps=shape.rms_norm_eps)
+    prologue), with the layer's q/k norms and the forward's ``(cos, sin)`` `rope_tables` ``rope_BNF``.
+    With ``context [B, C, D]``, those rows, not normalised, come first in the same product (its
+    ``[B, C + N, ...]`` rows; ``rope_BNF`` covers them first)."""
+    if context_BCD is None:
+        qkv_BNC = project(matmul, x_BND, layer.wqkv, norm_K=layer.input_norm, eps=shape.rms_norm_eps)
+    else:
+        rows_BXD = jnp.concatenate([context_BCD, rms_norm(x_BND, layer.input_norm, shape.rms_norm_eps)], axis=1)
+        qkv_BNC = project(matmul, rows_BXD, layer.wqkv)
     return HeadInputs(qkv_BNC, layer.q_norm, layer.k_norm, *rope_BNF, heads=shape.num_attention_heads,
                       kv_heads=shape.num_key_value_heads, eps=shape.rms_norm_eps)
 
@@ -124,14 +132,16 @@ def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads:
     """The `run_decoder` attention step over a `KVCache` state: layer i's q/k norms and RoPE and the
     write of its new K/V to the scratch slots ``[lengths, lengths + N)`` (`kernels.qk_norm_rope_write_fn`),
     then attention (``impl``, ``mesh`` and ``split_heads``: see `kernels.attention_fn`) over the cache
-    with ``mask``."""
+    with ``mask [B, N, M]``: the inputs' M rows are written, their last N are the queries (all of them
+    but a `run_decoder` context's)."""
     attend_fn = kernels.attention_fn(impl, mesh, split_heads=split_heads)
     norm_rope_write = kernels.qk_norm_rope_write_fn(impl, mesh)
 
     def attend(i, inputs: HeadInputs, cache: KVCache):
-        q_BNHD, k_LBKSD, v_LBKSD = norm_rope_write(*inputs.args, cache.k, cache.v, cache.lengths, layer=i,
+        q_BMHD, k_LBKSD, v_LBKSD = norm_rope_write(*inputs.args, cache.k, cache.v, cache.lengths, layer=i,
                                                    **inputs.kwargs)
         cache = KVCache(k=k_LBKSD, v=v_LBKSD, lengths=cache.lengths)
+        q_BNHD = q_BMHD[:, q_BMHD.shape[1] - mask_BNM.shape[1]:]
         return attend_fn(q_BNHD, cache.k, cache.v, cache.lengths, mask_BNM, scale=scale, layer=i), cache
 
     return attend
@@ -163,13 +173,16 @@ def packed_attend(mask_BNM, row_M, slot_M, scale, impl: str = "xla", mesh=None):
 
 
 def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=(),
-                matmul=matmul_reference, mlp=dense_mlp):
+                matmul=matmul_reference, mlp=dense_mlp, context_BCD=None):
     """Run decoder layers on ``x [B, N, D]``; only the attention and the MLP differ between callers.
 
     ``attend(i, inputs, state) -> (out_BNHD, state)`` does layer i's attention from its `HeadInputs`
     (the q/k/v projection; the q/k norms and RoPE, whose tables are computed once per forward, are the
     step's own, with any cache writes threaded through ``state``); ``matmul`` (a `kernels.matmul_fn`)
-    does the projections; ``mlp`` the MLP block (see `layer_output`). Returns the final hidden
+    does the projections; ``mlp`` the MLP block (see `layer_output`). ``context [B, C, D]``: rows
+    whose keys and values join every layer's (the DFlash drafter's context features, the same at every
+    layer): they come first in the inputs ``attend`` gets (`attention_inputs`; ``positions [B, C + N]``
+    covers them first), which returns the outputs of the last ``N`` rows alone. Returns the final hidden
     ``[B, N, D]`` (before the final norm), the list of hidden states after each layer id in
     ``tap_layers`` (in that order) and the state.
     """
@@ -177,7 +190,7 @@ def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, t
     rope_BNF = rope_tables(positions_BN, shape.head_dim, shape.rope_theta)
     for i, layer in enumerate(layers):
         with jax.named_scope(f"layer_{i}"):
-            attn_BNHD, state = attend(i, attention_inputs(layer, x_BND, rope_BNF, shape, matmul), state)
+            attn_BNHD, state = attend(i, attention_inputs(layer, x_BND, rope_BNF, shape, matmul, context_BCD), state)
             x_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul, mlp)
         taps[i] = x_BND
     return x_BND, [taps[i] for i in tap_layers], state
