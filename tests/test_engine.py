@@ -198,6 +198,21 @@ def test_stop_tokens_end_a_request():
         assert np.all(res.tokens[b, end:] == -1)
 
 
+@pytest.mark.parametrize("method,budget", [("chain", 1), ("ddtree", 2)])
+def test_the_drafter_cache_of_the_default_size_holds_every_round(method, budget):
+    """A round writes its context rows and then its block into the drafter's cache; with the default
+    ``max_len`` and trees smaller than the block, the last rounds' drafts equal those of a roomier cache
+    (a dropped write would change them, and with them the exact expected acceptance; attention over
+    caches of two sizes sums in other orders, hence the float tolerance)."""
+    target, drafter = tiny_pair(vocab=8, block_size=8)
+    runs = [generate(target, drafter, PROMPTS, method=method, budget=budget, max_new_tokens=24, temperature=1.0,
+                     max_len=max_len) for max_len in (None, 80)]
+    assert len(runs[0].rounds) == len(runs[1].rounds) > 10
+    for tight, roomy in zip(runs[0].rounds, runs[1].rounds):
+        np.testing.assert_array_equal(tight.accepted, roomy.accepted)
+        np.testing.assert_allclose(tight.expected, roomy.expected, rtol=1e-4, atol=1e-7)  # caches of two sizes
+
+
 def test_statistics_are_consistent():
     target, drafter = tiny_pair(vocab=8)
     res = generate(target, drafter, PROMPTS, **DDTREE, temperature=1.0)
