@@ -22,6 +22,11 @@ device, over shapes too large for the CPU.
   zero-padded to 16; the attention and K/V-write kernels) against ``"xla"`` for both: decode steps at
   batch 1 and 3 and a 16-node verify; logits, taps and the new cache entries within 5% of their
   scale (bf16 roundings compound over the layers).
+- ``drafter_auto``: drafter passes (Qwen3-8B-shaped layers, two of them, a 16-slot block, random bf16
+  weights) with ``"auto"`` against ``"xla"``: each layer's one product over the context rows and the
+  block, the K/V of both written by the norm + RoPE + write kernel, the block's queries attending with a
+  mask over the kept context rows; batch 1 and 3 with 1 to 16 rows kept; draft logits and the committed
+  context K/V within 5% of their scale, the lengths equal.
 - ``rope``: the q/k norm + RoPE kernel (``kernels.qk_norm_rope_fn("pallas")``) against its reference
   at Qwen3-8B and Qwen3-30B-A3B heads, decode, verify and prefill rows, positions to 128k, bf16 and
   fp32; ``v`` must be identical, ``q`` and ``k`` within 0.04 in bf16 (a rounding of values up to
@@ -57,7 +62,15 @@ import numpy as np
 from ddtree_jax import kernels, tree
 from ddtree_jax.experiments.bench import SHAPES
 from ddtree_jax.experiments.flags import name_list
-from ddtree_jax.models import KVCache, Qwen3Config, init_target, target_forward
+from ddtree_jax.models import (
+    DFlashConfig,
+    KVCache,
+    Qwen3Config,
+    drafter_forward,
+    init_drafter,
+    init_target,
+    target_forward,
+)
 from ddtree_jax.verify import verify_from_coins
 from experiments.bench_kernels import compare_results, fused_sampler, sampling_inputs
 from pallas_kernels.configs import tree_attention_config
@@ -191,6 +204,57 @@ def check_forward(shapes=None, cases=FORWARD_CASES, layers=4, context=40):
                 result.update({f"max_abs_err_{name}": err, f"scale_{name}": scale,
                                f"ok_{name}": bool(np.isfinite(out).all() and err <= 0.05 * max(scale, 1e-3))})
             return dict(result, ok=all(result[f"ok_{name}"] for name in want))
+
+        records.append(_run_case(record, check))
+    return records
+
+
+# (batch, context rows each request keeps of the 16 a drafter pass takes)
+DRAFTER_CASES = [(1, (4,)), (3, (16, 1, 7))]
+
+
+def check_drafter(shapes=None, cases=DRAFTER_CASES, layers=2, context=40, block_size=16, impl="auto"):
+    """Drafter passes (``dflash.drafter_forward``: each layer's q/k/v product over the context rows and
+    the block, the K/V of both written by one kernel, the block's queries attending) with ``impl``
+    matmuls and attention against ``"xla"`` for both (see the module docstring); ``shapes``: the
+    target's config fields (default Qwen3-8B's, ``layers`` of them, as many drafter layers)."""
+    fields = dict(SHAPES["qwen3-8b"]["target"] if shapes is None else shapes, num_hidden_layers=layers)
+    target = init_target(Qwen3Config(**fields), jax.random.key(0), jnp.bfloat16)
+    cfg = target.config
+    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rope_theta")
+    dc = DFlashConfig(**{name: getattr(cfg, name) for name in shared}, num_hidden_layers=layers,
+                      block_size=block_size, target_layer_ids=(0, layers - 1), mask_token_id=cfg.vocab_size - 1,
+                      num_target_layers=layers)
+    drafter = init_drafter(dc, jax.random.key(1), jnp.bfloat16)
+    records = []
+    for seed, (batch, counts) in enumerate(cases):
+        keys = jax.random.split(jax.random.key(seed), 4)
+        slots = (layers, batch, dc.num_key_value_heads, context + 2 * block_size, dc.head_dim)
+        k, v = (jax.random.normal(key, slots, jnp.bfloat16) for key in keys[:2])
+        cache = KVCache(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
+        feats = jax.random.normal(keys[2], (batch, block_size, dc.num_features), jnp.bfloat16)
+        positions = context + jnp.broadcast_to(jnp.arange(block_size, dtype=jnp.int32), (batch, block_size))
+        count_B = jnp.asarray(counts, jnp.int32)
+        roots = jax.random.randint(keys[3], (batch,), 0, cfg.vocab_size)
+        record = dict(part="drafter", impl=impl, batch=batch, context_rows=list(counts), layers=layers)
+
+        def check(args=(cache, feats, positions, count_B, roots, context + count_B), counts=counts):
+            def outputs(which):
+                logits, new = drafter_forward(drafter, target, *args, attention_impl=which, matmul_impl=which)
+                kept = [(new.k[:, b, :, context:context + c], new.v[:, b, :, context:context + c])
+                        for b, c in enumerate(counts)]
+                return dict(logits=logits, cache_k=jnp.concatenate([kv[0] for kv in kept], axis=2),
+                            cache_v=jnp.concatenate([kv[1] for kv in kept], axis=2), lengths=new.lengths)
+
+            got, want = outputs(impl), outputs("xla")
+            result = dict(lengths_equal=bool(np.array_equal(got.pop("lengths"), want.pop("lengths"))))
+            for name in want:
+                out, ref = np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
+                err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
+                result.update({f"max_abs_err_{name}": err, f"scale_{name}": scale,
+                               f"ok_{name}": bool(np.isfinite(out).all() and err <= 0.05 * max(scale, 1e-3))})
+            return dict(result, ok=result["lengths_equal"] and all(result[f"ok_{name}"] for name in want))
 
         records.append(_run_case(record, check))
     return records
@@ -419,8 +483,8 @@ def _check_attention_backend(record, args, scale, ref, backend):
 
 
 BACKENDS = ("triton", "triton_by_length", "mosaic")
-PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "rope", "rope_write", "kv_write",
-         "tree_build")
+PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "drafter_auto", "rope", "rope_write",
+         "kv_write", "tree_build")
 
 
 def main(argv=None):
@@ -434,8 +498,9 @@ def main(argv=None):
     backends, parts = tuple(args.backends), args.parts
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul,
-                  matmul_auto=functools.partial(check_matmul, impl="auto"), forward_auto=check_forward, rope=check_rope,
-                  rope_write=check_rope_write, kv_write=check_kv_write, tree_build=check_tree_build)
+                  matmul_auto=functools.partial(check_matmul, impl="auto"), forward_auto=check_forward,
+                  drafter_auto=check_drafter, rope=check_rope, rope_write=check_rope_write, kv_write=check_kv_write,
+                  tree_build=check_tree_build)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

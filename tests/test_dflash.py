@@ -241,3 +241,23 @@ def test_attention_kernels_drafter_equals_the_xla_drafter():
                                   attention_impl=impl) for impl in ("xla", "interpret")}
     np.testing.assert_allclose(outs["interpret"][0], outs["xla"][0], atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(outs["interpret"][1].k, outs["xla"][1].k, atol=2e-5, rtol=2e-5)
+
+
+def test_check_kernels_drafter_part_through_the_interpreter(monkeypatch):
+    """`experiments/check_kernels.py`'s drafter_auto part on a small pair with the interpreted kernels
+    (the block's queries over the context rows kept and the block): it passes, and a wrong projection
+    on the checked path fails it."""
+    from ddtree_jax import kernels
+    from experiments.check_kernels import check_drafter
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    cases = [(1, (2,)), (2, (5, 1))]
+    records = check_drafter(fields, cases=cases, layers=2, context=6, block_size=BLOCK, impl="interpret")
+    assert [r["ok"] for r in records] == [True, True], records
+    product = kernels.matmul_fn("xla")
+    monkeypatch.setattr(kernels, "matmul_fn", lambda impl, mesh=None: (
+        (lambda x, w, **kw: 1.5 * product(x, w, **kw)) if impl == "interpret" else product))
+    jax.clear_caches()
+    assert not any(r["ok"] for r in check_drafter(fields, cases=cases[:1], layers=2, context=6, block_size=BLOCK,
+                                                  impl="interpret"))
