@@ -60,10 +60,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import kernels, tree
-from ddtree_jax.experiments.bench import SHAPES
+from ddtree_jax.experiments.bench import SHAPES, drafter_config
 from ddtree_jax.experiments.flags import name_list
 from ddtree_jax.models import (
-    DFlashConfig,
     KVCache,
     Qwen3Config,
     drafter_forward,
@@ -169,6 +168,18 @@ def check_matmul(interpret=False, cases=MATMUL_CASES, impl=None):
     return records
 
 
+def within_scale(got: dict, want: dict, tolerance: float = 0.05) -> dict:
+    """Per named output: the largest error, the reference's scale, and whether the output is finite and
+    within ``tolerance`` of that scale (bf16 roundings compound over layers); ``ok`` for all of them."""
+    result = {}
+    for name in want:
+        out, ref = np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
+        err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
+        result.update({f"max_abs_err_{name}": err, f"scale_{name}": scale,
+                       f"ok_{name}": bool(np.isfinite(out).all() and err <= tolerance * max(scale, 1e-3))})
+    return dict(result, ok=all(result[f"ok_{name}"] for name in want))
+
+
 # (batch, rows per request)
 FORWARD_CASES = [(1, 1), (3, 1), (1, 16)]
 
@@ -196,14 +207,7 @@ def check_forward(shapes=None, cases=FORWARD_CASES, layers=4, context=40):
                                                    attention_impl=impl)
                 return dict(logits=logits, taps=taps, cache_k=new.k[..., context:, :], cache_v=new.v[..., context:, :])
 
-            got, want = outputs("auto"), outputs("xla")
-            result = {}
-            for name in want:
-                out, ref = np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
-                err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
-                result.update({f"max_abs_err_{name}": err, f"scale_{name}": scale,
-                               f"ok_{name}": bool(np.isfinite(out).all() and err <= 0.05 * max(scale, 1e-3))})
-            return dict(result, ok=all(result[f"ok_{name}"] for name in want))
+            return within_scale(outputs("auto"), outputs("xla"))
 
         records.append(_run_case(record, check))
     return records
@@ -221,11 +225,7 @@ def check_drafter(shapes=None, cases=DRAFTER_CASES, layers=2, context=40, block_
     fields = dict(SHAPES["qwen3-8b"]["target"] if shapes is None else shapes, num_hidden_layers=layers)
     target = init_target(Qwen3Config(**fields), jax.random.key(0), jnp.bfloat16)
     cfg = target.config
-    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "rope_theta")
-    dc = DFlashConfig(**{name: getattr(cfg, name) for name in shared}, num_hidden_layers=layers,
-                      block_size=block_size, target_layer_ids=(0, layers - 1), mask_token_id=cfg.vocab_size - 1,
-                      num_target_layers=layers)
+    dc = drafter_config(cfg, num_hidden_layers=layers, block_size=block_size, target_layer_ids=(0, layers - 1))
     drafter = init_drafter(dc, jax.random.key(1), jnp.bfloat16)
     records = []
     for seed, (batch, counts) in enumerate(cases):
@@ -248,13 +248,9 @@ def check_drafter(shapes=None, cases=DRAFTER_CASES, layers=2, context=40, block_
                             cache_v=jnp.concatenate([kv[1] for kv in kept], axis=2), lengths=new.lengths)
 
             got, want = outputs(impl), outputs("xla")
-            result = dict(lengths_equal=bool(np.array_equal(got.pop("lengths"), want.pop("lengths"))))
-            for name in want:
-                out, ref = np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
-                err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
-                result.update({f"max_abs_err_{name}": err, f"scale_{name}": scale,
-                               f"ok_{name}": bool(np.isfinite(out).all() and err <= 0.05 * max(scale, 1e-3))})
-            return dict(result, ok=result["lengths_equal"] and all(result[f"ok_{name}"] for name in want))
+            lengths_equal = bool(np.array_equal(got.pop("lengths"), want.pop("lengths")))
+            result = within_scale(got, want)
+            return dict(result, lengths_equal=lengths_equal, ok=lengths_equal and result["ok"])
 
         records.append(_run_case(record, check))
     return records

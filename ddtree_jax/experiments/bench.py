@@ -192,17 +192,25 @@ def weight_bytes(params) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
 
 
+def drafter_config(target_config, **fields) -> DFlashConfig:
+    """A DFlash config that fits ``target_config``: its layer fields (vocabulary, widths, heads, RoPE
+    theta), the last token id as the mask token, and ``fields`` for the rest (``num_hidden_layers``,
+    ``block_size``, ``target_layer_ids``)."""
+    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rope_theta")
+    return DFlashConfig(**{name: getattr(target_config, name) for name in shared},
+                        mask_token_id=target_config.vocab_size - 1,
+                        num_target_layers=target_config.num_hidden_layers, **fields)
+
+
 def make_models(shapes: str, draft_vocab: int = 0):
     """Target and drafter of the named shapes with random weights (bf16 off the CPU); with ``draft_vocab``
     W > 0, the drafter drafts from the W lowest token ids (`dflash.with_draft_vocab`; with random weights
     which W ids does not change a time)."""
     s = SHAPES[shapes]
     t = s["target"]
-    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim")
-    dc = DFlashConfig(**{k: t[k] for k in shared}, mask_token_id=t["vocab_size"] - 1,
-                      num_target_layers=t["num_hidden_layers"], **s["drafter"])
     config = (Qwen3MoeConfig if "num_experts" in t else Qwen3Config)(**t)
+    dc = drafter_config(config, **s["drafter"])
     target, drafter = init_target(config, jax.random.key(0)), init_drafter(dc, jax.random.key(1))
     return target, with_draft_vocab(drafter, target, np.arange(draft_vocab) if draft_vocab else None)
 
