@@ -7,8 +7,10 @@ weight copies in one jitted call (so that no weight comes from L2), called back 
 ``--calls`` times; time per product = wall time / (calls x copies), median of ``--repeats``. TB/s
 counts the weight bytes (what the product must stream). Compared: XLA (the jnp reference), the
 kernel with the config the device's policy picks, and with ``--sweep`` a grid of configs around
-the policy (weight tiles, K splits, pipeline depth). Each result is checked against the reference
-first. Prints a table and writes JSON.
+the policy (weight tiles, K splits, pipeline depth), and with ``--match-xla`` the kernel with the tiles
+XLA's own Triton GEMM uses for the same product (read from its compiled HLO: does the kernel stream as
+fast as XLA's GEMM when tiled alike?). Each result is checked against the reference first. Prints a
+table and writes JSON.
 
     PYTHONPATH=. python experiments/bench_matmul.py --rows 1,16,64 --sweep --out bench_matmul.json
 """
@@ -21,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import re
 import time
 from pathlib import Path
 
@@ -31,6 +34,7 @@ import numpy as np
 from ddtree_jax.experiments.flags import int_list, name_list
 from ddtree_jax.experiments.provenance import command_line
 from pallas_kernels import configs
+from pallas_kernels.configs import MatmulConfig
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference
 
@@ -53,6 +57,31 @@ def sweep_configs(policy, m, k, n, gated) -> dict:
         config = configs.matmul_config(swept, m, k, n, gated)
         grid[f"n{config.block_n}_k{config.block_k}_s{config.num_stages}_x{config.splits}"] = config
     return grid
+
+
+_GEMM_FIELDS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
+
+
+def xla_gemm_config(hlo_text: str, m: int, k: int, gated: bool) -> dict[str, MatmulConfig]:
+    """Kernel configs with the tiles of the first Triton GEMM in a compiled product's HLO text (its
+    ``triton_gemm_config``): ``{"xla_tiles": ...}``, and for a ``gated`` product also
+    ``"xla_tiles_half"`` (half the columns a program, as a fused gate/up program reads two tiles);
+    ``{}`` where XLA chose no Triton GEMM (cuBLAS)."""
+    found = re.search(r'triton_gemm_config[^{]*\{([^}]*)\}', hlo_text)
+    if not found:
+        return {}
+    fields = {name: int(v) for name, v in re.findall(r'"?(\w+)"?\s*:\s*"?(\d+)"?', found.group(1))
+              if name in _GEMM_FIELDS}
+    if set(fields) != set(_GEMM_FIELDS):
+        return {}
+    block_m = max(16, min(fields["block_m"], 1 << max(m - 1, 0).bit_length()))
+    splits = max(1, min(fields["split_k"], -(-k // fields["block_k"])))
+    base = MatmulConfig(block_m=block_m, block_n=fields["block_n"], block_k=fields["block_k"], splits=splits,
+                        num_warps=fields["num_warps"], num_stages=fields["num_stages"])
+    found = {"xla_tiles": base}
+    if gated and fields["block_n"] >= 32:
+        found["xla_tiles_half"] = dataclasses.replace(base, block_n=fields["block_n"] // 2)
+    return found
 
 
 def product_fn(config, gated, norm, out_dtype, residual):
@@ -112,6 +141,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated projections, from: {', '.join(SHAPES)}")
     p.add_argument("--sweep", action="store_true", help="also time a grid of configs (rows <= --sweep-rows)")
     p.add_argument("--sweep-rows", type=int, default=16)
+    p.add_argument("--match-xla", action="store_true",
+                   help="also time the kernel tiled as XLA's own Triton GEMM of each product (read from its HLO)")
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
@@ -132,6 +163,16 @@ def main(argv=None) -> int:
                 impls.update(sweep_configs(policy, m, k, n, gated))
             groups[(name, m)] = [(name, m, impl, config) for impl, config in impls.items()]
     compiled = compile_all([job for jobs in groups.values() for job in jobs], args.copies)
+    if args.match_xla:
+        matched = []
+        for (name, m), jobs in groups.items():
+            k, _, gated, *_ = SHAPES[name]
+            xla = compiled[jobs[0]]
+            tiles = {} if isinstance(xla, str) else xla_gemm_config(xla.as_text(), m, k, gated)
+            print(f"{name:8s} M={m:4d} XLA's tiles: {tiles or 'none (not a Triton GEMM)'}", flush=True)
+            jobs.extend((name, m, impl, config) for impl, config in tiles.items())
+            matched.extend(jobs[-len(tiles):] if tiles else [])
+        compiled.update(compile_all(matched, args.copies))
     print(f"compiled {len(compiled)} products", flush=True)
     for (name, m), jobs in groups.items():
         k, n, gated, norm, out_dtype, residual = SHAPES[name]

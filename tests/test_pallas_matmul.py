@@ -146,3 +146,25 @@ def test_gpu_equality_script_matmul_checks_run_interpreted():
              (2, 64, 96, False, False, False, (32, 96))]
     records = check_matmul(interpret=True, cases=cases)
     assert [r["ok"] for r in records] == [True, True, True], records
+
+
+def test_benchmark_reads_xla_gemm_tiles_from_hlo():
+    """`experiments/bench_matmul.py --match-xla` tiles the kernel as XLA's Triton GEMM of the product."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.bench_matmul import xla_gemm_config
+
+    hlo = ('%gemm_fusion_dot = bf16[16,24576]{1,0} fusion(...), backend_config={"fusion_backend_config":'
+           '{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"32","block_n":"128","block_k":"64",'
+           '"split_k":"2","num_stages":"4","num_warps":"8","num_ctas":"1"}}}')
+    tiles = xla_gemm_config(hlo, 1, 4096, gated=True)
+    assert tiles["xla_tiles"] == MatmulConfig(block_m=16, block_n=128, block_k=64, splits=2, num_warps=8,
+                                              num_stages=4)
+    assert tiles["xla_tiles_half"] == dataclasses.replace(tiles["xla_tiles"], block_n=64)
+    assert xla_gemm_config(hlo, 64, 4096, gated=False) == {
+        "xla_tiles": dataclasses.replace(tiles["xla_tiles"], block_m=32)}
+    assert xla_gemm_config("%custom-call = (bf16[16,4096]) custom-call(...), custom_call_target=\"__cublas$gemm\"",
+                           16, 4096, gated=False) == {}
