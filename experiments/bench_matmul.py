@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     print(f"device {device}, capability {capability}, jax {jax.__version__}, policy {policy}", flush=True)
     result = dict(meta=dict(device=device, capability=capability, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                             command=command_line(), policy=dataclasses.asdict(policy)), rows=[])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     groups = {}
     for name in args.shapes:
         k, n, gated, *_ = SHAPES[name]
@@ -195,6 +196,7 @@ def main(argv=None) -> int:
                 print(f"{name:8s} M={m:4d} {impl:22s} {row['us']:8.1f} us {row['tbps']:5.2f} TB/s err {err:.1e}"
                       + ("" if row["ok"] else "  WRONG"), flush=True)
             result["rows"].append(row)
+            args.out.write_text(json.dumps(result, indent=1))  # after every row: a run cut short keeps its rows
         del ws
     print("\nshape      M  xla TB/s  policy TB/s  best TB/s  best config", flush=True)
     for name, m in groups:
@@ -203,8 +205,6 @@ def main(argv=None) -> int:
         best = min(timed, key=lambda r: r["us"]) if timed else {"tbps": float("nan"), "impl": "-"}
         print(f"{name:8s} {m:4d} {rows['xla'].get('tbps', float('nan')):9.2f} "
               f"{rows['kernel'].get('tbps', float('nan')):12.2f} {best['tbps']:10.2f}  {best['impl']}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0 if all(r.get("ok", False) for r in result["rows"] if r["impl"] in ("xla", "kernel")) else 1
 
