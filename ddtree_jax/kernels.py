@@ -65,7 +65,7 @@ from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
 from pallas_kernels.qk_norm_rope import kernel_supports as qk_norm_rope_supports
-from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference
+from pallas_kernels.qk_norm_rope_reference import check_queries, qk_norm_rope_reference
 from pallas_kernels.tree_attention import kernel_supports, tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import kernel_supports as tree_build_supports
@@ -175,19 +175,22 @@ def qk_norm_rope_write_fn(impl: str, mesh: Mesh | None = None):
     impl = check_impl("attention_impl", impl)
     split, write = qk_norm_rope_fn(impl, mesh), kv_write_fn(impl, mesh)
 
-    def separately(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, **kwargs):
+    def separately(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, queries=None,
+                   **kwargs):
+        num = qkv_BNC.shape[1]
+        queries = check_queries(queries, num)
         q_BNHD, k_BNKD, v_BNKD = split(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, **kwargs)
-        return (q_BNHD, *write(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer))
+        return (q_BNHD[:, num - queries:], *write(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer))
 
     if _reference_only(impl, mesh):
         return separately
     kernel = functools.partial(qk_norm_rope_write, interpret=impl == "interpret")
 
     def fused(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, heads, kv_heads,
-              eps):
+              eps, queries=None):
         fn = kernel if qk_norm_rope_supports(qkv_BNC, heads, kv_heads) else separately
         return fn(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, layer=layer,
-                  heads=heads, kv_heads=kv_heads, eps=eps)
+                  heads=heads, kv_heads=kv_heads, eps=eps, queries=queries)
 
     return fused
 

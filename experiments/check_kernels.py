@@ -297,26 +297,28 @@ KV_WRITE_CASES = [(4, 1, 1, 8, 128, 1100, [1024], "bfloat16"), (4, 1, 65, 8, 128
                   (36, 8, 16, 8, 128, 8400, [8192, 8390, 8384, 5], "bfloat16")]
 
 
-# (layers, batch, rows per request, heads, kv_heads, slots, lengths (cycled over the batch), dtype)
-ROPE_WRITE_CASES = [(4, 1, 1, 32, 8, 1100, [1024], "bfloat16"), (4, 1, 65, 32, 8, 1100, [1024], "bfloat16"),
-                    (3, 8, 17, 32, 4, 300, [0, 290, 17, 283], "bfloat16"),
-                    (2, 3, 33, 32, 8, 100, [0, 80, 5], "float32")]
+# (layers, batch, rows per request, heads, kv_heads, slots, lengths (cycled over the batch), dtype, queries: the
+# last rows that get query heads, None = all; the drafter's context rows have none)
+ROPE_WRITE_CASES = [(4, 1, 1, 32, 8, 1100, [1024], "bfloat16", None), (4, 1, 65, 32, 8, 1100, [1024], "bfloat16", None),
+                    (3, 8, 17, 32, 4, 300, [0, 290, 17, 283], "bfloat16", None),
+                    (2, 3, 33, 32, 8, 100, [0, 80, 5], "float32", None),
+                    (2, 3, 20, 32, 8, 300, [0, 270, 5], "bfloat16", 16)]
 
 
 def check_rope_write(interpret=False, cases=ROPE_WRITE_CASES, head_dim=128):
     """The q/k norm + RoPE + K/V-write kernel (``kernels.qk_norm_rope_write_fn("pallas")``, or interpreted)
     against its reference, written into the last layer."""
     fused = jax.jit(kernels.qk_norm_rope_write_fn("interpret" if interpret else "pallas"),
-                    static_argnames=("layer", "heads", "kv_heads", "eps"))
+                    static_argnames=("layer", "heads", "kv_heads", "eps", "queries"))
     records = []
-    for seed, (layers, batch, num, heads, kv_heads, slots, lengths, dtype) in enumerate(cases):
+    for seed, (layers, batch, num, heads, kv_heads, slots, lengths, dtype, queries) in enumerate(cases):
         keys = jax.random.split(jax.random.key(seed), 6)
         caches = [jax.random.normal(key, (layers, batch, kv_heads, slots, head_dim), dtype) for key in keys[4:]]
         lengths_B = jnp.asarray(np.resize(np.asarray(lengths), batch), jnp.int32)
         args = (*rope_operands(keys[:4], batch, num, heads, kv_heads, head_dim, dtype), *caches, lengths_B)
-        kwargs = dict(layer=layers - 1, heads=heads, kv_heads=kv_heads, eps=1e-6)
+        kwargs = dict(layer=layers - 1, heads=heads, kv_heads=kv_heads, eps=1e-6, queries=queries)
         record = dict(part="rope_write", layers=layers, batch=batch, rows=num, heads=heads, kv_heads=kv_heads,
-                      slots=slots, dtype=dtype)
+                      slots=slots, dtype=dtype, queries=queries)
 
         def check(args=args, kwargs=kwargs, tol=8e-5 if dtype == "float32" else 4e-2):
             outs = [np.asarray(x, np.float32) for x in fused(*args, **kwargs)]

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.kv_write import store_slot
+from pallas_kernels.qk_norm_rope_reference import check_queries
 
 
 def qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads: int, kv_heads: int, eps: float,
@@ -83,12 +84,14 @@ def _qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads, kv_he
 
 
 def qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer: int,
-                       heads: int, kv_heads: int, eps: float, interpret: bool = False):
+                       heads: int, kv_heads: int, eps: float, queries: int | None = None, interpret: bool = False):
     """`qk_norm_rope_write_reference` by one kernel: `qk_norm_rope`'s program per token row also stores
     the row's keys and values into slot ``lengths[b] + n`` of ``layer`` of the stacked caches (masked
-    off past their end), which are aliased to the outputs (updated in place). Returns ``q_BNHD`` and
-    the caches."""
+    off past their end), which are aliased to the outputs (updated in place). Only the programs of the
+    last ``queries`` rows of a request (all by default) normalise, rotate and store query heads.
+    Returns ``q [B, queries, H, D]`` and the caches."""
     check_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads, kv_heads)
+    queries = check_queries(queries, qkv_BNC.shape[1])
     head_dim = qkv_BNC.shape[-1] // (heads + 2 * kv_heads)
     batch, num_layers = qkv_BNC.shape[0], k_LBKSD.shape[0]
     want = (num_layers, batch, kv_heads, k_LBKSD.shape[3], head_dim)
@@ -102,28 +105,28 @@ def qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v
                          f"and head_dim / 2 ({head_dim // 2})")
     return _qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD,
                                jnp.asarray(lengths_B, jnp.int32), layer=int(layer), heads=int(heads),
-                               kv_heads=int(kv_heads), eps=float(eps), interpret=bool(interpret))
+                               kv_heads=int(kv_heads), eps=float(eps), queries=queries, interpret=bool(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "heads", "kv_heads", "eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "heads", "kv_heads", "eps", "queries", "interpret"))
 def _qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, heads,
-                        kv_heads, eps, interpret):
+                        kv_heads, eps, queries, interpret):
     batch, num, cols = qkv_BNC.shape
     head_dim, num_slots = cols // (heads + 2 * kv_heads), k_LBKSD.shape[3]
     whole = pl.BlockSpec()
     cache_spec = pl.BlockSpec((None, None, kv_heads, num_slots, head_dim), lambda m: (layer, m // num, 0, 0, 0))
     kernel = functools.partial(_write_kernel, heads=heads, kv_heads=kv_heads, half=head_dim // 2, eps=eps,
-                               num_new=num)
+                               num_new=num, queries=queries)
     q, k_LBKSD, v_LBKSD = pl.pallas_call(
         kernel, grid=(batch * num,),
         in_specs=[whole] * 5 + [pl.BlockSpec((None,), lambda m: (m // num,)), cache_spec, cache_spec],
         out_specs=[whole, cache_spec, cache_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch * num * heads, head_dim), qkv_BNC.dtype),
+        out_shape=[jax.ShapeDtypeStruct((batch * queries * heads, head_dim), qkv_BNC.dtype),
                    *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_LBKSD, v_LBKSD))],
         input_output_aliases={6: 1, 7: 2}, interpret=interpret, name="qk_norm_rope_write",
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
     )(*_row_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, head_dim), lengths_B, k_LBKSD, v_LBKSD)
-    return q.reshape(batch, num, heads, head_dim), k_LBKSD, v_LBKSD
+    return q.reshape(batch, queries, heads, head_dim), k_LBKSD, v_LBKSD
 
 
 def _row_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, head_dim):
@@ -149,13 +152,16 @@ def _rows_store(out_ref, m, count, half):
 
 
 def _write_kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, lengths_ref, k_in_ref, v_in_ref, q_ref, k_ref,
-                  v_ref, *, heads, kv_heads, half, eps, num_new):
-    """Program m: token row m = (b, n); its query heads as rows of ``q``, its key and value heads into
-    slot ``lengths[b] + n`` of request b's ``[K, S, D]`` layer caches (``k_in_ref``/``v_in_ref`` are the
-    same buffers as ``k_ref``/``v_ref``)."""
+                  v_ref, *, heads, kv_heads, half, eps, num_new, queries):
+    """Program m: token row m = (b, n); its key and value heads into slot ``lengths[b] + n`` of request
+    b's ``[K, S, D]`` layer caches (``k_in_ref``/``v_in_ref`` are the same buffers as ``k_ref``/``v_ref``),
+    and, for the last ``queries`` rows of the request, its query heads as rows of ``q``
+    (``[B * queries * H, D]``)."""
     del k_in_ref, v_in_ref
     m = pl.program_id(0)
-    slot = lengths_ref[()] + m % num_new
+    n = m % num_new
+    slot = lengths_ref[()] + n
+    skipped = num_new - queries  # rows of a request without queries, its first
 
     def into_slot(cache_ref):
         def store(y1, y2):  # rounded to the activations' dtype first, as the reference's heads are
@@ -163,15 +169,18 @@ def _write_kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, lengths_ref
                 store_slot(cache_ref, slot, y.astype(qkv_ref.dtype), first_col=c0)
         return store
 
-    _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, _rows_store(q_ref, m, heads, half),
-                   into_slot(k_ref), into_slot(v_ref), heads=heads, kv_heads=kv_heads, half=half, eps=eps)
+    q_row = (m // num_new) * queries + n - skipped
+    _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, _rows_store(q_ref, q_row, heads, half),
+                   into_slot(k_ref), into_slot(v_ref), heads=heads, kv_heads=kv_heads, half=half, eps=eps,
+                   with_q=n >= skipped if skipped else None)
 
 
 def _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, store_q, store_k, store_v, *, heads,
-                   kv_heads, half, eps):
+                   kv_heads, half, eps, with_q=None):
     """Token row m: its query and key heads normalised and rotated, its value heads as they are, each
-    passed to its store as two ``[count, D / 2]`` halves. The halves ``x[:D/2]``, ``x[D/2:]`` are
-    loaded apart, so the rotation pairs them without moving data within registers."""
+    passed to its store as two ``[count, D / 2]`` halves; the query heads only where ``with_q`` (a
+    traced bool; ``None``: always). The halves ``x[:D/2]``, ``x[D/2:]`` are loaded apart, so the
+    rotation pairs them without moving data within registers."""
     row = pl.ds(m, 1)
     cos_1F, sin_1F = (plt.load(ref.at[row, :]) for ref in (cos_ref, sin_ref))
 
@@ -193,6 +202,9 @@ def _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, store_q
         y1, y2 = scaled(x1, 0), scaled(x2, half)
         store(y1 * cos_1F - y2 * sin_1F, y2 * cos_1F + y1 * sin_1F)
 
-    norm_rope(0, heads, q_norm_ref, store_q)
+    if with_q is None:
+        norm_rope(0, heads, q_norm_ref, store_q)
+    else:
+        pl.when(with_q)(lambda: norm_rope(0, heads, q_norm_ref, store_q))
     norm_rope(heads, kv_heads, k_norm_ref, store_k)
     store_v(*halves(heads + kv_heads, kv_heads))

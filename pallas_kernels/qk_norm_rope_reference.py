@@ -63,10 +63,22 @@ def qk_norm_rope_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, hea
 
 
 def qk_norm_rope_write_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *,
-                                 layer: int, heads: int, kv_heads: int, eps: float):
+                                 layer: int, heads: int, kv_heads: int, eps: float, queries: int | None = None):
     """`qk_norm_rope_reference`, then its keys and values written into ``layer`` of the stacked caches
     ``[L, B, K, S, D]`` at slots ``[lengths[b], lengths[b] + N)`` (`kv_write_reference`; past the end:
-    dropped). Returns ``q [B, N, heads, D]`` and the two caches."""
+    dropped). Returns the queries of the last ``queries`` rows (all ``N`` by default; the DFlash
+    drafter's context rows have keys and values but no queries), ``q [B, queries, heads, D]``, and the
+    two caches."""
     q_BNHD, k_BNKD, v_BNKD = qk_norm_rope_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads=heads,
                                                     kv_heads=kv_heads, eps=eps)
-    return (q_BNHD, *kv_write_reference(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer))
+    num = qkv_BNC.shape[1]
+    return (q_BNHD[:, num - check_queries(queries, num):],
+            *kv_write_reference(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer))
+
+
+def check_queries(queries, num: int) -> int:
+    """``queries`` (``num`` for ``None``) if it is an int in ``[1, num]``, else a ValueError naming it."""
+    queries = num if queries is None else queries
+    if not isinstance(queries, int) or not 1 <= queries <= num:
+        raise ValueError(f"queries must be an int in [1, {num}] (the rows given), got {queries!r}")
+    return queries

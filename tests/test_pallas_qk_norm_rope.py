@@ -136,14 +136,26 @@ def test_write_interpret_matches_reference(batch, num, log_heads, log_kv, log_ha
     heads, kv_heads, head_dim = 1 << (log_heads + log_kv), 1 << log_kv, 2 << log_half
     lengths = jnp.asarray(data.draw(st.lists(st.integers(0, slots + 1), min_size=batch, max_size=batch)), jnp.int32)
     layers = data.draw(st.integers(1, 2))
+    queries = data.draw(st.sampled_from([None, *range(1, num + 1)]))  # q of the last rows only (a drafter's block)
     args = (*operands(seed, batch, num, heads, kv_heads, head_dim), *cache_operands(seed, layers, batch, kv_heads,
                                                                                    slots, head_dim, jnp.float32),
             lengths)
-    kwargs = dict(layer=layers - 1, heads=heads, kv_heads=kv_heads, eps=1e-6)
+    kwargs = dict(layer=layers - 1, heads=heads, kv_heads=kv_heads, eps=1e-6, queries=queries)
     outs = qk_norm_rope_write(*args, interpret=True, **kwargs)
     refs = qk_norm_rope_write_reference(*args, **kwargs)
+    assert outs[0].shape == (batch, queries or num, heads, head_dim)
     assert_close(outs, refs, jnp.float32)
     np.testing.assert_array_equal(np.asarray(outs[2]), np.asarray(refs[2]))
+
+
+def test_write_reference_queries_are_the_last_rows_of_all():
+    args = (*operands(3, 2, 5, 4, 2, 16), *cache_operands(3, 1, 2, 2, 9, 16, jnp.float32), jnp.asarray([0, 3]))
+    kwargs = dict(layer=0, heads=4, kv_heads=2, eps=1e-6)
+    every, part = qk_norm_rope_write_reference(*args, **kwargs), qk_norm_rope_write_reference(*args, queries=2,
+                                                                                               **kwargs)
+    np.testing.assert_array_equal(np.asarray(part[0]), np.asarray(every[0][:, 3:]))
+    for a, b in zip(part[1:], every[1:], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_write_bf16_at_qwen3_head_shapes():
@@ -155,13 +167,14 @@ def test_write_bf16_at_qwen3_head_shapes():
                  jnp.bfloat16)
 
 
-@pytest.mark.parametrize("batch, num", [(1, 1), (8, 17)])
-def test_write_lowers_to_valid_triton_ir_at_qwen3_shapes(batch, num):
+@pytest.mark.parametrize("batch, num, queries", [(1, 1, 1), (8, 17, 17), (1, 20, 16)])
+def test_write_lowers_to_valid_triton_ir_at_qwen3_shapes(batch, num, queries):
     S = jax.ShapeDtypeStruct
     cache = S((36, batch, 8, 1100, 128), jnp.bfloat16)
     args = (S((batch, num, 48 * 128), jnp.bfloat16), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
             S((batch, num, 64), jnp.float32), S((batch, num, 64), jnp.float32), cache, cache, S((batch,), jnp.int32))
-    fn = functools.partial(_qk_norm_rope_write, layer=35, heads=32, kv_heads=8, eps=1e-6, interpret=False)
+    fn = functools.partial(_qk_norm_rope_write, layer=35, heads=32, kv_heads=8, eps=1e-6, queries=queries,
+                           interpret=False)
     assert len(verified_triton_modules(fn, *args)) == 1
 
 
@@ -174,6 +187,10 @@ def test_write_refuses_caches_that_do_not_fit():
     with pytest.raises(ValueError, match="layer in"):
         qk_norm_rope_write(*args, *caches, jnp.zeros((1,), jnp.int32), layer=2, heads=4, kv_heads=2, eps=1e-6,
                            interpret=True)
+    for queries in (0, 3, 1.0):
+        with pytest.raises(ValueError, match=r"queries must be an int in \[1, 2\]"):
+            qk_norm_rope_write(*args, *caches, jnp.zeros((1,), jnp.int32), layer=0, heads=4, kv_heads=2, eps=1e-6,
+                               queries=queries, interpret=True)
 
 
 def test_gpu_equality_script_rope_write_checks_run_interpreted():
@@ -184,5 +201,6 @@ def test_gpu_equality_script_rope_write_checks_run_interpreted():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from experiments.check_kernels import check_rope_write
 
-    cases = [(2, 2, 3, 4, 2, 5, [0, 4], "bfloat16"), (1, 1, 2, 2, 1, 8, [3], "float32")]
-    assert [r["ok"] for r in check_rope_write(interpret=True, cases=cases, head_dim=16)] == [True, True]
+    cases = [(2, 2, 3, 4, 2, 5, [0, 4], "bfloat16", None), (1, 1, 2, 2, 1, 8, [3], "float32", None),
+             (1, 2, 5, 4, 2, 9, [0, 3], "bfloat16", 3)]
+    assert [r["ok"] for r in check_rope_write(interpret=True, cases=cases, head_dim=16)] == [True] * 3

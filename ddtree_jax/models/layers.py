@@ -138,10 +138,9 @@ def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads:
     norm_rope_write = kernels.qk_norm_rope_write_fn(impl, mesh)
 
     def attend(i, inputs: HeadInputs, cache: KVCache):
-        q_BMHD, k_LBKSD, v_LBKSD = norm_rope_write(*inputs.args, cache.k, cache.v, cache.lengths, layer=i,
-                                                   **inputs.kwargs)
+        q_BNHD, k_LBKSD, v_LBKSD = norm_rope_write(*inputs.args, cache.k, cache.v, cache.lengths, layer=i,
+                                                   queries=mask_BNM.shape[1], **inputs.kwargs)
         cache = KVCache(k=k_LBKSD, v=v_LBKSD, lengths=cache.lengths)
-        q_BNHD = q_BMHD[:, q_BMHD.shape[1] - mask_BNM.shape[1]:]
         return attend_fn(q_BNHD, cache.k, cache.v, cache.lengths, mask_BNM, scale=scale, layer=i), cache
 
     return attend
