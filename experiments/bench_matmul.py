@@ -67,10 +67,10 @@ def xla_gemm_config(hlo_text: str, m: int, k: int, gated: bool) -> dict[str, Mat
     ``triton_gemm_config``): ``{"xla_tiles": ...}``, and for a ``gated`` product also
     ``"xla_tiles_half"`` (half the columns a program, as a fused gate/up program reads two tiles);
     ``{}`` where XLA chose no Triton GEMM (cuBLAS)."""
-    found = re.search(r'triton_gemm_config[^{]*\{([^}]*)\}', hlo_text)
-    if not found:
+    config_text = re.search(r'triton_gemm_config[^{]*\{([^}]*)\}', hlo_text)
+    if not config_text:
         return {}
-    fields = {name: int(v) for name, v in re.findall(r'"?(\w+)"?\s*:\s*"?(\d+)"?', found.group(1))
+    fields = {name: int(v) for name, v in re.findall(r'"?(\w+)"?\s*:\s*"?(\d+)"?', config_text.group(1))
               if name in _GEMM_FIELDS}
     if set(fields) != set(_GEMM_FIELDS):
         return {}
@@ -78,10 +78,10 @@ def xla_gemm_config(hlo_text: str, m: int, k: int, gated: bool) -> dict[str, Mat
     splits = max(1, min(fields["split_k"], -(-k // fields["block_k"])))
     base = MatmulConfig(block_m=block_m, block_n=fields["block_n"], block_k=fields["block_k"], splits=splits,
                         num_warps=fields["num_warps"], num_stages=fields["num_stages"])
-    found = {"xla_tiles": base}
+    tiles = {"xla_tiles": base}
     if gated and fields["block_n"] >= 32:
-        found["xla_tiles_half"] = dataclasses.replace(base, block_n=fields["block_n"] // 2)
-    return found
+        tiles["xla_tiles_half"] = dataclasses.replace(base, block_n=fields["block_n"] // 2)
+    return tiles
 
 
 def product_fn(config, gated, norm, out_dtype, residual):
@@ -171,8 +171,9 @@ def main(argv=None) -> int:
             xla = compiled[jobs[0]]
             tiles = {} if isinstance(xla, str) else xla_gemm_config(xla.as_text(), m, k, gated)
             print(f"{name:8s} M={m:4d} XLA's tiles: {tiles or 'none (not a Triton GEMM)'}", flush=True)
-            jobs.extend((name, m, impl, config) for impl, config in tiles.items())
-            matched.extend(jobs[-len(tiles):] if tiles else [])
+            new_jobs = [(name, m, impl, config) for impl, config in tiles.items()]
+            jobs.extend(new_jobs)
+            matched.extend(new_jobs)
         compiled.update(compile_all(matched, args.copies))
     print(f"compiled {len(compiled)} products", flush=True)
     for (name, m), jobs in groups.items():
