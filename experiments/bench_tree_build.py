@@ -23,6 +23,9 @@ budget B (``--topk-cap``, default none, so K = B):
                   ``beam_kernel_<variant>_in_loop`` (and ``kernel_<variant>_equal``): the kernel with
                   another launch than the library's (`tree_build.tree_build_config`; `parse_variant`:
                   warps, candidates a count tile)
+  beam_wide_in_loop
+                = the same by the wide build (`pallas_kernels.tree_build_wide`, the budgets it takes),
+                  with ``wide_equal``; ``--wide-variants r64,w8`` adds ``beam_wide_<variant>_in_loop``
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
 device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
@@ -61,6 +64,8 @@ from ddtree_jax.tree import (  # noqa: E402
 )
 from experiments.common import median_ms  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig, kernel_supports, tree_build_config, tree_nodes  # noqa: E402
+from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide  # noqa: E402
+from pallas_kernels.tree_build_wide import kernel_supports as wide_supports  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 LOOP_STEPS = 20
@@ -97,14 +102,21 @@ def beam_kernel(lp_BLK, tok_BLK, roots, *, budget, config):
     return tree_from_nodes(roots, *nodes, max_depth=lp_BLK.shape[1])
 
 
+@functools.partial(jax.jit, static_argnames=("budget", "config"))
+def beam_wide(lp_BLK, tok_BLK, roots, *, budget, config):
+    nodes = tree_nodes_wide(lp_BLK, tok_BLK, budget=budget, config=config, interpret=KERNEL_IMPL == "interpret")
+    return tree_from_nodes(roots, *nodes, max_depth=lp_BLK.shape[1])
+
+
 @jax.jit
 def encodings(tree, roots):
     return tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
 
 
-def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=()) -> dict:
+def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=(), wide_variants=()) -> dict:
     """Every column of one (batch, budget) row, in ms (``topk_cap``: None or the per-depth cap;
-    ``kernel_variants``: the kernel's other launches to time, `parse_variant` names)."""
+    ``kernel_variants``, ``wide_variants``: the kernels' other launches to time, `parse_variant` and
+    `parse_wide_variant` names)."""
     drafts = jnp.stack([draft_logits, draft_logits[:, ::-1], -draft_logits, draft_logits[:, :, ::-1]])
     batch, depth, vocab = draft_logits.shape
     k = top_k_width(budget, topk_cap, vocab)
@@ -125,8 +137,10 @@ def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=()) -> dic
         beam_ms=median_ms(lambda: beam(lp_k, tok_k, roots, budget=budget), repeats),
         encodings_ms=median_ms(lambda: encodings(tree, roots), repeats),
         lax_top_k_ms=median_ms(lambda: lax_top_k(lp, k=k), repeats),
+        beam_in_loop_ms=beam_in_loop_ms(functools.partial(beam, budget=budget), drafts, roots, k, repeats),
         hbm_floor_ms=1e3 * draft_logits.size * draft_logits.dtype.itemsize / HBM_BYTES_PER_S,
         **kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, kernel_variants),
+        **wide_columns(drafts, lp_k, tok_k, roots, tree, budget, repeats, wide_variants),
     )
 
 
@@ -168,7 +182,6 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
     columns = dict(beam_kernel_ms=median_ms(lambda: run(library)(lp_k, tok_k, roots), repeats),
                    kernel_equal=equal(library),
                    kernel_in_loop_ms=in_loop_ms(drafts[0], roots, budget, topk_cap, KERNEL_IMPL, repeats),
-                   beam_in_loop_ms=beam_in_loop_ms(functools.partial(beam, budget=budget), drafts, roots, k, repeats),
                    beam_kernel_in_loop_ms=beam_in_loop_ms(run(library), drafts, roots, k, repeats))
     for name in variants:
         config = parse_variant(name)
@@ -176,6 +189,35 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
             columns[f"kernel_{name}_equal"] = equal(config)
             columns[f"beam_kernel_{name}_in_loop_ms"] = beam_in_loop_ms(run(config), drafts, roots, k, repeats)
     return columns
+
+
+def wide_columns(drafts, lp_k, tok_k, roots, tree, budget, repeats, variants=()) -> dict:
+    """The wide build's columns of a row (none where it does not take the budget): the beam and order
+    alone in a loop, ``beam_wide_in_loop`` (`WideBuildConfig()`) and ``beam_wide_<v>_in_loop`` for each
+    variant v, each with ``wide[_<v>]_equal``: whether its tree equals XLA's."""
+    k = lp_k.shape[2]
+    if not wide_supports(budget, k, lp_k.shape[1]):
+        return {}
+    columns = {}
+    for name, config in [("wide", WideBuildConfig()), *((f"wide_{v}", parse_wide_variant(v)) for v in variants)]:
+        run = functools.partial(beam_wide, budget=budget, config=config)
+        got = run(lp_k, tok_k, roots)
+        columns[f"{name}_equal"] = all(bool(jnp.array_equal(a, b))
+                                       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree)))
+        columns[f"beam_{name}_in_loop_ms"] = beam_in_loop_ms(run, drafts, roots, k, repeats)
+    return columns
+
+
+def parse_wide_variant(name: str) -> WideBuildConfig:
+    """A wide-build launch from its name: ``r<rows>``, ``c<cols>``, ``e<entries>``, ``w<warps>`` in that
+    order, each optional (default `WideBuildConfig`'s): ``r64``, ``r16c256w8``."""
+    match = re.fullmatch(r"(?:r(\d+))?(?:c(\d+))?(?:e(\d+))?(?:w(\d+))?", name)
+    if not name or match is None:
+        raise ValueError(f"a wide variant is r<rows>c<cols>e<entries>w<warps> in that order, got {name!r}")
+    default = WideBuildConfig()
+    rows, cols, entries, warps = (int(v) if v else d for v, d in zip(
+        match.groups(), (default.rows, default.cols, default.entries, default.num_warps)))
+    return WideBuildConfig(rows=rows, cols=cols, entries=entries, num_warps=warps)
 
 
 def parse_variant(name: str) -> TreeBuildConfig:
@@ -201,16 +243,23 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-variants", default="",
                     help="comma-separated kernel launches to time besides the library's: w<warps>c<chunk> (each "
                          "part optional, c0 one tile), e.g. w16,c0,w4c16")
+    ap.add_argument("--wide-variants", default="",
+                    help="comma-separated launches of the wide build (budgets past the one-program kernel's) to "
+                         "time besides its default: r<rows>c<cols>e<entries>w<warps> (each part optional), e.g. "
+                         "r64,r16w8")
     ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)
     budgets, batches = args.budgets, args.batches
     kernel_variants = [v for v in args.kernel_variants.split(",") if v]
-    for name in kernel_variants:
-        try:
-            parse_variant(name)
-        except ValueError as e:
-            raise ValueError(f"--kernel-variants: {e}") from None
+    wide_variants = [v for v in args.wide_variants.split(",") if v]
+    for flag, names, parse in (("kernel-variants", kernel_variants, parse_variant),
+                               ("wide-variants", wide_variants, parse_wide_variant)):
+        for name in names:
+            try:
+                parse(name)
+            except ValueError as e:
+                raise ValueError(f"--{flag}: {e}") from None
     if args.topk_cap < 0:
         raise ValueError(f"--topk-cap must be >= 0, got {args.topk_cap}")
     for name in ("vocab", "depth", "repeats"):
@@ -229,7 +278,7 @@ def main(argv=None) -> int:
     for batch in batches:
         draft = jax.random.normal(jax.random.key(batch), (batch, args.depth, args.vocab), jnp.float32) * 3
         for budget in budgets:
-            row = time_row(draft, budget, args.topk_cap or None, args.repeats, kernel_variants)
+            row = time_row(draft, budget, args.topk_cap or None, args.repeats, kernel_variants, wide_variants)
             if args.profile:
                 try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
                     run = functools.partial(full, draft, jnp.zeros((batch,), jnp.int32), budget=budget,
@@ -242,9 +291,13 @@ def main(argv=None) -> int:
             cells = " ".join(f"{row[c]:>11.3f}" for c in COLUMNS)
             print(f"{batch:>5} {budget:>5} {row['plan']:>10} {cells} {row['hbm_floor_ms']:>10.4f}"
                   f"{'' if row['top_k_exact'] else '  TOP-K NOT EXACT'}", flush=True)
-            if "beam_in_loop_ms" in row:
-                print(f"{'':>11} the beam in a loop: XLA {row['beam_in_loop_ms']:.3f} ms, kernel "
-                      f"{row['beam_kernel_in_loop_ms']:.3f} ms", flush=True)
+            kernel = row.get("beam_kernel_in_loop_ms")
+            print(f"{'':>11} the beam in a loop: XLA {row['beam_in_loop_ms']:.3f} ms"
+                  + ("" if kernel is None else f", kernel {kernel:.3f} ms"), flush=True)
+            for name in ["wide", *(f"wide_{v}" for v in wide_variants)]:
+                if f"beam_{name}_in_loop_ms" in row:
+                    print(f"{'':>11} the beam {name} in a loop: {row[f'beam_{name}_in_loop_ms']:.3f} ms, "
+                          f"equal {row[f'{name}_equal']}", flush=True)
             for v in (v for v in kernel_variants if f"beam_kernel_{v}_in_loop_ms" in row):
                 print(f"{'':>11} the beam kernel {v} in a loop: {row[f'beam_kernel_{v}_in_loop_ms']:.3f} ms, "
                       f"equal {row[f'kernel_{v}_equal']}", flush=True)
