@@ -40,8 +40,8 @@ device, over shapes too large for the CPU.
 - ``tree_build``: the tree-build kernel (``pallas_kernels.tree_build``) against its reference and the
   library's XLA path, from the top-K of random draft logits at V = 151,936 (with duplicated values,
   and depths whose top token has probability 1, so that entries of different depths tie), at budgets
-  16 to 64 with the launch the library uses and with other chunks and warps:
-  identical nodes required.
+  16 to 64 with the launch the library uses and with other chunks and warps, and the wide build
+  (``pallas_kernels.tree_build_wide``) at budgets 128 to 512: identical nodes required.
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
 """
@@ -82,6 +82,7 @@ from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import TreeBuildConfig, tree_build_config, tree_nodes
 from pallas_kernels.tree_build_reference import tree_nodes_reference
+from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide
 from pallas_kernels.tree_sampling import SamplerConfig
 
 # (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
@@ -356,19 +357,25 @@ def check_kv_write(interpret=False, cases=KV_WRITE_CASES):
 
 # (batch, depth, vocab, budget, k, ties, launch: None for `tree_build.tree_build_config`'s) of the tree-build
 # kernel: the CLI's default tree (16, cap 4), budgets 16 to 64 uncapped and capped, a chain, at batch 1 to 8;
-# besides the default launches, one count tile, chunks of 16 and 64, and 4 warps
+# besides the default launches, one count tile, chunks of 16 and 64, and 4 warps; then the wide build
+# (a `WideBuildConfig` launch) at budgets 128 to 512, uncapped and capped
 TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False, None), (8, 15, 151_936, 16, 16, True, None),
                     (1, 15, 151_936, 32, 32, True, None), (8, 15, 151_936, 32, 8, False, None),
                     (2, 15, 151_936, 16, 1, True, None), (1, 15, 151_936, 64, 64, True, None),
                     (8, 15, 151_936, 64, 8, False, None), (1, 15, 151_936, 64, 4, True, None),
                     (8, 15, 151_936, 16, 16, True, TreeBuildConfig(chunk=0)),
                     (1, 15, 151_936, 32, 32, True, TreeBuildConfig(num_warps=4, chunk=16)),
-                    (8, 15, 151_936, 64, 64, True, TreeBuildConfig(num_warps=16, chunk=64))]
+                    (8, 15, 151_936, 64, 64, True, TreeBuildConfig(num_warps=16, chunk=64)),
+                    (1, 15, 151_936, 512, 512, True, WideBuildConfig()), (8, 15, 151_936, 512, 512, False,
+                                                                           WideBuildConfig(rows=64, num_warps=8)),
+                    (2, 15, 151_936, 256, 4, True, WideBuildConfig(rows=16, cols=256)),
+                    (1, 16, 151_936, 128, 128, False, WideBuildConfig())]
 
 
 def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):
-    """The tree-build kernel (or interpreted) against `tree_nodes_reference` and the library's
-    ``tree_from_top_k``: identical tokens, parents, depths and log-weights."""
+    """The tree-build kernel, or the wide build where a case's launch is a `WideBuildConfig` (either
+    interpreted), against `tree_nodes_reference` and the library's ``tree_from_top_k``: identical tokens,
+    parents, depths and log-weights."""
     records = []
     for seed, (batch, depth, vocab, budget, k, ties, config) in enumerate(cases):
         rng = np.random.default_rng(seed)
@@ -384,7 +391,8 @@ def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):
                       config=dataclasses.asdict(config))
 
         def check(lp=lp, ids=ids, budget=budget, config=config):
-            got = tree_nodes(lp, ids, budget=budget, config=config, interpret=interpret)
+            build = tree_nodes_wide if isinstance(config, WideBuildConfig) else tree_nodes
+            got = build(lp, ids, budget=budget, config=config, interpret=interpret)
             # both jitted: run op by op they take seconds a case (dispatches)
             ref = jax.jit(functools.partial(tree_nodes_reference, budget=budget))(lp, ids)
             library = jax.jit(jax.vmap(functools.partial(tree.tree_from_top_k, budget=budget)))(
