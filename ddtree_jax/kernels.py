@@ -38,7 +38,9 @@ request, on a supported GPU without a mesh for the budgets the kernel takes (2 t
 next power of two; 16 is the CLI's default), XLA's ops elsewhere (``ddtree_jax.tree``). On an H100 at
 K = 4 the kernel's beam and order took 0.040 / 0.054 / 0.086 ms against XLA's 0.102 / 0.122 / 0.125 at
 B = 16 / 32 / 64 (batch 1; BENCHMARKS.md). ``pallas`` and ``auto`` run it alike, with
-`tree_build.tree_build_config`'s launch.
+`tree_build.tree_build_config`'s launch. Larger budgets (to 1,024 uncapped) are the wide build
+(`pallas_kernels.tree_build_wide`, a launch a depth over many programs a request) under ``pallas``;
+``auto`` keeps XLA's ops there until the wide build is timed on a GPU.
 
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
@@ -70,6 +72,8 @@ from pallas_kernels.tree_attention import kernel_supports, tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import kernel_supports as tree_build_supports
 from pallas_kernels.tree_build import tree_nodes
+from pallas_kernels.tree_build_wide import kernel_supports as wide_build_supports
+from pallas_kernels.tree_build_wide import tree_nodes_wide
 from pallas_kernels.tree_sampling import SamplerConfig, tree_sample
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
@@ -265,8 +269,9 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
     draft_temperature, *, budget, topk_cap) -> DraftTree``, the tree of `tree.build_tree_unchecked`
     for every implementation. The kernel (`pallas_kernels.tree_build`, one program per request, the
     launch of `tree_build.tree_build_config`) does the beam and the global order of the shapes it takes
-    (`tree_build.kernel_supports`, decided when traced); the vocabulary top-k before it is XLA's. Under
-    a mesh the XLA path runs (the kernel is not wrapped in ``shard_map``)."""
+    (`tree_build.kernel_supports`, decided when traced), and under ``pallas`` or ``interpret`` the wide
+    build those of larger budgets (`tree_build_wide.kernel_supports`); the vocabulary top-k before them
+    is XLA's. Under a mesh the XLA path runs (the kernels are not wrapped in ``shard_map``)."""
     impl = check_impl("build_impl", impl)
     if _reference_only(impl, mesh):
         return tree_lib.build_tree_unchecked
@@ -274,11 +279,15 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
     def build(draft_logits_BLV, root_B, draft_temperature, *, budget, topk_cap):
         depth, vocab = draft_logits_BLV.shape[1:]
         k = tree_lib.top_k_width(budget, topk_cap, vocab)
-        if not tree_build_supports(budget, k, depth):
+        if tree_build_supports(budget, k, depth):
+            nodes_fn = tree_nodes
+        elif impl != "auto" and wide_build_supports(budget, k, depth):
+            nodes_fn = tree_nodes_wide
+        else:
             return tree_lib.build_tree_unchecked(draft_logits_BLV, root_B, draft_temperature, budget=budget,
                                                  topk_cap=topk_cap)
         lp_BLK, tok_BLK = tree_lib.draft_top_k(draft_logits_BLV, draft_temperature, k)
-        nodes = tree_nodes(lp_BLK, tok_BLK, budget=budget, interpret=impl == "interpret")
+        nodes = nodes_fn(lp_BLK, tok_BLK, budget=budget, interpret=impl == "interpret")
         return tree_lib.tree_from_nodes(root_B, *nodes, max_depth=depth)
 
     return build

@@ -201,9 +201,10 @@ def _draft_logits(batch=3, depth=5, vocab=40, seed=0):
     return jnp.asarray(logits), jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
 
 
-@pytest.mark.parametrize("budget, topk_cap", [(8, None), (16, 4), (4, 1), (2, None), (64, None)])
+@pytest.mark.parametrize("budget, topk_cap", [(8, None), (16, 4), (4, 1), (2, None), (64, None), (100, 8)])
 def test_interpreted_tree_build_equals_the_xla_build(budget, topk_cap):
-    """The kernel's tree, the root prepended by `tree.tree_from_nodes`, is the XLA build's, leaf for leaf."""
+    """The kernels' tree (the wide build's past budget 64), the root prepended by `tree.tree_from_nodes`, is
+    the XLA build's, leaf for leaf."""
     from ddtree_jax.tree import build_tree_unchecked
     logits, roots = _draft_logits()
     want = build_tree_unchecked(logits, roots, 0.7, budget=budget, topk_cap=topk_cap)
@@ -215,7 +216,8 @@ def test_interpreted_tree_build_equals_the_xla_build(budget, topk_cap):
 
 def test_tree_build_dispatch(monkeypatch):
     """XLA off a GPU, for ``xla`` and under a mesh; the kernel for ``interpret``/``pallas``, and for
-    ``auto`` on a GPU, where it takes the budget (2 to 64); XLA beyond."""
+    ``auto`` on a GPU, where it takes the budget (2 to 64); beyond, the wide build for ``pallas`` and XLA
+    for ``auto``."""
     from ddtree_jax.sharding import make_mesh
     from ddtree_jax.tree import build_tree_unchecked
     assert kernels.tree_build_fn("auto") is build_tree_unchecked
@@ -225,13 +227,18 @@ def test_tree_build_dispatch(monkeypatch):
         kernels.tree_build_fn("cuda")
     calls = []
 
-    def fake_nodes(lp_BLK, tok_BLK, *, budget, interpret):
-        calls.append((budget, lp_BLK.shape[2], interpret))
-        batch = lp_BLK.shape[0]
-        return (jnp.zeros((batch, budget), jnp.int32), jnp.full((batch, budget), -1, jnp.int32),
-                jnp.zeros((batch, budget), jnp.int32), jnp.full((batch, budget), -jnp.inf))
+    wide_calls = []
 
-    monkeypatch.setattr(kernels, "tree_nodes", fake_nodes)
+    def fake(log):
+        def nodes(lp_BLK, tok_BLK, *, budget, interpret):  # empty trees
+            log.append((budget, lp_BLK.shape[2], interpret))
+            batch = lp_BLK.shape[0]
+            return (jnp.zeros((batch, budget), jnp.int32), jnp.full((batch, budget), -1, jnp.int32),
+                    jnp.zeros((batch, budget), jnp.int32), jnp.full((batch, budget), -jnp.inf))
+        return nodes
+
+    monkeypatch.setattr(kernels, "tree_nodes", fake(calls))
+    monkeypatch.setattr(kernels, "tree_nodes_wide", fake(wide_calls))
     logits, roots = _draft_logits()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
@@ -240,9 +247,11 @@ def test_tree_build_dispatch(monkeypatch):
     assert calls == [(64, 4, False)]
     np.testing.assert_array_equal(np.asarray(tree.num_nodes), 1)  # the fake's empty trees, the root prepended
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 0]), np.asarray(roots))
+    jax.block_until_ready(auto(logits, roots, 1.0, budget=128, topk_cap=4))  # past the kernel's 64: XLA
     for build in (auto, pallas):
-        jax.block_until_ready(build(logits, roots, 1.0, budget=128, topk_cap=4))  # past the kernel's 64: XLA
         jax.block_until_ready(build(logits, roots, 1.0, budget=1, topk_cap=None))  # one draft: XLA
-    assert len(calls) == 1
+    assert len(calls) == 1 and not wide_calls
+    pallas(logits, roots, 1.0, budget=128, topk_cap=4)
+    assert wide_calls == [(128, 4, False)] and len(calls) == 1
     pallas(logits, roots, 1.0, budget=15, topk_cap=4)
     assert calls[-1] == (15, 4, False)
