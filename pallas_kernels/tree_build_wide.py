@@ -4,7 +4,7 @@ Same contract as `tree_build.tree_nodes` (and `tree_build_reference`): given eac
 draft log-probabilities and ids, the best ``B`` prefixes of each depth extend the best ``B`` of the
 depth before, and one order of all of them by (``-logw``, rank tuple) gives the pop order. The
 one-program kernel of `tree_build` counts a depth's ``P`` candidates (``about B ln B``) pairwise in
-one program, ``P^2`` comparisons: at ``B = 512`` (3,489 candidates) one SM cannot do that in time. Here
+one program, ``P^2`` comparisons: at ``B = 512`` (3,280 candidates) one SM cannot do that in time. Here
 each depth is one launch over ``(batch, P / rows)`` programs:
 
 - every program computes all ``P`` candidates' keys from the previous beam and the depth's row (the
@@ -45,6 +45,7 @@ from pallas_kernels.tree_build import MAX_DEPTH, beam_pairs, rank_packing
 
 MAX_PAIRS = 8192  # a depth's candidates, padded to a power of two: every program holds all their keys
 _PAD_LEX = 1 << 30  # padding candidates' lex (plus their index): after every real candidate's
+_KEY_CHUNK = 1024  # candidates whose keys a program computes at once
 WARPS = (1, 2, 4, 8, 16)
 
 
@@ -192,9 +193,13 @@ def _extend_kernel(d_ref, lp_ref, tok_ref, pair_i_ref, pair_r_ref, logw_in, tok_
         lex = jnp.where(real, plt.load(lex_in.at[above, i]) * k + pair_r, _PAD_LEX + index)
         return logw, lex, i, r, real
 
-    logw, lex, *_ = gather(pair_i_ref[...], pair_r_ref[...], jax.lax.broadcasted_iota(jnp.int32, (pairs,), 0))
-    neg_logw_buf[...] = -logw
-    lex_buf[...] = lex
+    size = min(pairs, _KEY_CHUNK)
+    for start in range(0, pairs, size):  # unrolled: independent loads, a bounded number of registers
+        part = pl.ds(start, size)
+        logw, lex, *_ = gather(pair_i_ref[part], pair_r_ref[part],
+                               start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0))
+        neg_logw_buf[part] = -logw
+        lex_buf[part] = lex
     if barrier:
         plt.debug_barrier()
 
