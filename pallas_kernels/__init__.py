@@ -13,7 +13,8 @@
   ``qk_norm_rope_reference``. ``qk_norm_rope_write``: the same with the keys and values stored into
   the KV cache; reference ``qk_norm_rope_write_reference``.
 - ``tree_nodes`` (``tree_build``): the DDTree beam and best-first order of each request in one
-  program, from each depth's top-k; reference ``tree_nodes_reference``.
+  program, from each depth's top-k; reference ``tree_nodes_reference``. ``tree_nodes_wide``
+  (``tree_build_wide``): the same for large budgets, a launch of many programs a depth.
 
 This package imports nothing from ``ddtree_jax``: the library's dispatch module
 (``ddtree_jax/kernels.py``) decides which implementation runs where and wraps the results.
@@ -30,9 +31,10 @@ from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import tree_nodes
 from pallas_kernels.tree_build_reference import tree_nodes_reference
+from pallas_kernels.tree_build_wide import tree_nodes_wide
 from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample_reference
 
 __all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "kv_write", "kv_write_reference", "matmul",
            "matmul_reference", "qk_norm_rope", "qk_norm_rope_reference", "qk_norm_rope_write",
            "qk_norm_rope_write_reference", "tree_attention", "tree_attention_config", "tree_attention_reference",
-           "tree_nodes", "tree_nodes_reference", "tree_sample", "tree_sample_reference"]
+           "tree_nodes", "tree_nodes_reference", "tree_nodes_wide", "tree_sample", "tree_sample_reference"]
