@@ -278,6 +278,18 @@ def _kernel(lp_ref, tok_ref, pair_i_ref, pair_r_ref, tok_out, par_out, depth_out
                   (logw_buf, words_buf, place_buf), barrier=barrier)
 
 
+def prefix_lengths(precedes, shape, width: int):
+    """Lane by lane, the length of the prefix of a row of ``width`` entries (a power of two) on which
+    ``precedes(at)`` holds, ``at`` an int ``[shape]`` array of positions (it must hold on a prefix of the
+    row and nowhere after): a binary search of ``log2(width) + 1`` calls of ``precedes``."""
+    length = jnp.zeros(shape, jnp.int32)
+    step = width // 2
+    while step:
+        length = length + jnp.where(precedes(length + step - 1), step, 0)
+        step //= 2
+    return length + precedes(length).astype(jnp.int32)  # length <= width - 1 here: one entry left to test
+
+
 def _search_order(acc_logw, acc_tok, acc_par, acc_words, outs, scratch, *, barrier):
     """The fields of the entries in the global order, stored into ``outs`` (tokens, parents, depths,
     logw; ``[L2 * B]`` each, of which the caller keeps the first ``B``) at each entry's place: tokens,
@@ -311,13 +323,7 @@ def _search_order(acc_logw, acc_tok, acc_par, acc_words, outs, scratch, *, barri
                   *[plt.load(words_buf.at[jnp.full(lanes, x, jnp.int32), row_q, at]) for x in range(len(acc_words))]]
         return _precedes(keys_q, keys_p, row_q * width + at < flat_p)
 
-    before = jnp.zeros(lanes, jnp.int32)  # a prefix of row d' sorts before (d, w); its length so far
-    step = width // 2
-    while step:
-        before = before + jnp.where(precedes(before + step - 1), step, 0)
-        step //= 2
-    before = before + precedes(before).astype(jnp.int32)  # before <= width - 1 here: one entry left to test
-    place = jnp.sum(before, axis=0)
+    place = jnp.sum(prefix_lengths(precedes, lanes, width), axis=0)  # the prefixes of row d' before (d, w)
 
     place_buf[...] = place
     if barrier:

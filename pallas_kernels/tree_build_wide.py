@@ -41,7 +41,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.tree_build import MAX_DEPTH, beam_pairs, rank_packing
+from pallas_kernels.tree_build import MAX_DEPTH, beam_pairs, prefix_lengths, rank_packing
 
 MAX_PAIRS = 8192  # a depth's candidates, padded to a power of two: every program holds all their keys
 _PAD_LEX = 1 << 30  # padding candidates' lex (plus their index): after every real candidate's
@@ -291,13 +291,7 @@ def _order_kernel(logw_ref, tok_ref, par_ref, words_ref, tok_out, depth_out, log
             before = jnp.where(word_tie, (p_word < q_word) | ((p_word == q_word) & before), before)
         return (p_key < q_key[None, :]) | (tie & before)
 
-    prefix = jnp.zeros(lanes, jnp.int32)  # a prefix of row d' sorts before the entry; its length so far
-    step = width2 // 2
-    while step:
-        prefix = prefix + jnp.where(precedes(prefix + step - 1), step, 0)
-        step //= 2
-    prefix = prefix + precedes(prefix).astype(jnp.int32)  # prefix <= W2 - 1 here: one entry left to test
-    place = jnp.sum(prefix, axis=0)
+    place = jnp.sum(prefix_lengths(precedes, lanes, width2), axis=0)  # the prefixes of each row before the entry
 
     plt.store(place_out.at[flat], place)
     keep = place < budget
