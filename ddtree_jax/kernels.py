@@ -23,8 +23,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
                 `qk_norm_rope` measured no faster than XLA's fusions; the
                 write alone (that path, the drafter's prefill) is the
                 `kv_write` kernel where its heads are powers of two
-  matmul        xla: XLA's own Triton GEMMs streamed the decode step's     xla
-                weights faster than the skinny-matmul kernel at every
+  matmul        xla: XLA's GEMMs (library kernels at 16 rows on an         xla
+                H100) streamed the decode step's weights faster than
+                the skinny-matmul kernel at every
                 Qwen3-8B projection but one on an H200 (BENCHMARKS.md);
                 on sm_90 without a mesh, products of fewer than 16 rows
                 are zero-padded to 16 (`XLA_MIN_ROWS`: the decode step
@@ -39,8 +40,10 @@ next power of two; 16 is the CLI's default), XLA's ops elsewhere (``ddtree_jax.t
 K = 4 the kernel's beam and order took 0.040 / 0.054 / 0.086 ms against XLA's 0.102 / 0.122 / 0.125 at
 B = 16 / 32 / 64 (batch 1; BENCHMARKS.md). ``pallas`` and ``auto`` run it alike, with
 `tree_build.tree_build_config`'s launch. Larger budgets (to 1,024 uncapped) are the wide build
-(`pallas_kernels.tree_build_wide`, a launch a depth over many programs a request) under ``pallas``;
-``auto`` keeps XLA's ops there until the wide build is timed on a GPU.
+(`pallas_kernels.tree_build_wide`, a launch a depth over many programs a request) under ``pallas``, and
+under ``auto`` for one request: on an H100 at batch 1 its beam and order took 0.245 ms against XLA's
+0.87 at B = 512 (K = 512) and 0.145 against 0.210 at B = 128 with an earlier launch; batches of
+several requests keep XLA's ops under ``auto`` (not timed yet).
 
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
@@ -269,9 +272,10 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
     draft_temperature, *, budget, topk_cap) -> DraftTree``, the tree of `tree.build_tree_unchecked`
     for every implementation. The kernel (`pallas_kernels.tree_build`, one program per request, the
     launch of `tree_build.tree_build_config`) does the beam and the global order of the shapes it takes
-    (`tree_build.kernel_supports`, decided when traced), and under ``pallas`` or ``interpret`` the wide
-    build those of larger budgets (`tree_build_wide.kernel_supports`); the vocabulary top-k before them
-    is XLA's. Under a mesh the XLA path runs (the kernels are not wrapped in ``shard_map``)."""
+    (`tree_build.kernel_supports`, decided when traced), and the wide build those of larger budgets
+    (`tree_build_wide.kernel_supports`; under ``auto`` for a batch of one request only); the vocabulary
+    top-k before them is XLA's. Under a mesh the XLA path runs (the kernels are not wrapped in
+    ``shard_map``)."""
     impl = check_impl("build_impl", impl)
     if _reference_only(impl, mesh):
         return tree_lib.build_tree_unchecked
@@ -281,7 +285,7 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
         k = tree_lib.top_k_width(budget, topk_cap, vocab)
         if tree_build_supports(budget, k, depth):
             nodes_fn = tree_nodes
-        elif impl != "auto" and wide_build_supports(budget, k, depth):
+        elif wide_build_supports(budget, k, depth) and (impl != "auto" or draft_logits_BLV.shape[0] == 1):
             nodes_fn = tree_nodes_wide
         else:
             return tree_lib.build_tree_unchecked(draft_logits_BLV, root_B, draft_temperature, budget=budget,

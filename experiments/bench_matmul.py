@@ -8,8 +8,9 @@ weight copies in one jitted call (so that no weight comes from L2), called back 
 counts the weight bytes (what the product must stream). Compared: XLA (the jnp reference), the
 kernel with the config the device's policy picks, and with ``--sweep`` a grid of configs around
 the policy (weight tiles, K splits, pipeline depth), and with ``--match-xla`` the kernel with the tiles
-XLA's own Triton GEMM uses for the same product (read from its compiled HLO: does the kernel stream as
-fast as XLA's GEMM when tiled alike?). Each result is checked against the reference first. Prints a
+XLA's GEMM uses for the same product where that GEMM is a Triton one (read from its compiled HLO: does the
+kernel stream as fast as XLA's GEMM when tiled alike?; where XLA calls a library GEMM there are no tiles to
+copy, and the row says so). Each result is checked against the reference first. Prints a
 table and writes JSON.
 
     PYTHONPATH=. python experiments/bench_matmul.py --rows 1,16,64 --sweep --out bench_matmul.json
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time a grid of configs (rows <= --sweep-rows)")
     p.add_argument("--sweep-rows", type=int, default=16)
     p.add_argument("--match-xla", action="store_true",
-                   help="also time the kernel tiled as XLA's own Triton GEMM of each product (read from its HLO)")
+                   help="also time the kernel tiled as XLA's GEMM of each product where that is a Triton GEMM "
+                        "(read from its HLO)")
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)

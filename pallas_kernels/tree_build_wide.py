@@ -60,13 +60,16 @@ def _is_pow2(n) -> bool:
 @dataclasses.dataclass(frozen=True)
 class WideBuildConfig:
     """Launches of the wide build: ``rows`` candidates a program ranks, ``cols`` candidates it compares
-    them with a step, ``entries`` a program of the global order, ``num_warps`` warps a program (powers
-    of two; ``rows * cols`` and ``entries * L`` are the largest tiles a thread block holds)."""
+    them with a step (at most a depth's padded candidates), ``entries`` a program of the global order,
+    ``num_warps`` warps a program (powers of two; ``rows * cols`` and ``entries * L`` are the largest
+    tiles a thread block holds). The default is the fastest measured: on an H100 at B = 512, K = 512,
+    batch 1, the beam and order took 0.245 ms in a loop against 0.55 ms with 128 candidates a step and
+    4 warps (each step's loads wait on the step before: fewer, wider steps) and XLA's 0.87 ms."""
 
     rows: int = 32
-    cols: int = 128
+    cols: int = 1024
     entries: int = 64
-    num_warps: int = 4
+    num_warps: int = 16
 
     def __post_init__(self):
         for field in ("rows", "cols", "entries"):
@@ -78,8 +81,8 @@ class WideBuildConfig:
 
 
 def padded_pairs(budget: int, k: int, config: WideBuildConfig) -> int:
-    """A depth's candidates (`beam_pairs`) padded to a power of two of at least ``rows`` and ``cols``."""
-    return max(_pow2(len(beam_pairs(budget, k)[0])), config.rows, config.cols)
+    """A depth's candidates (`beam_pairs`) padded to a power of two of at least ``rows``."""
+    return max(_pow2(len(beam_pairs(budget, k)[0])), config.rows)
 
 
 def kernel_supports(budget: int, k: int, depth: int) -> bool:
@@ -159,7 +162,7 @@ def _extend_call(batch, depth2, k2, words, pairs, *, budget, k, bits, per_word, 
     full = pl.BlockSpec((pairs,), lambda b, c: (0,))
     scratch_spec = pl.BlockSpec((None, pairs), lambda b, c: (b, 0))
     kernel = functools.partial(_extend_kernel, budget=budget, k=k, bits=bits, per_word=per_word, words=words,
-                               rows=config.rows, cols=config.cols, barrier=not interpret)
+                               rows=config.rows, cols=min(config.cols, pairs), barrier=not interpret)
     beam_shapes = [jax.ShapeDtypeStruct((batch, depth2, pairs), dtype)
                    for dtype in (jnp.float32, jnp.int32, jnp.int32, jnp.int32)]
     out_shape = [*beam_shapes, jax.ShapeDtypeStruct((batch, words, depth2, pairs), jnp.int32),

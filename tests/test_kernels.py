@@ -216,8 +216,8 @@ def test_interpreted_tree_build_equals_the_xla_build(budget, topk_cap):
 
 def test_tree_build_dispatch(monkeypatch):
     """XLA off a GPU, for ``xla`` and under a mesh; the kernel for ``interpret``/``pallas``, and for
-    ``auto`` on a GPU, where it takes the budget (2 to 64); beyond, the wide build for ``pallas`` and XLA
-    for ``auto``."""
+    ``auto`` on a GPU, where it takes the budget (2 to 64); beyond, the wide build for ``pallas``, and for
+    ``auto`` at batch 1 only (XLA for batches of several requests)."""
     from ddtree_jax.sharding import make_mesh
     from ddtree_jax.tree import build_tree_unchecked
     assert kernels.tree_build_fn("auto") is build_tree_unchecked
@@ -253,5 +253,7 @@ def test_tree_build_dispatch(monkeypatch):
     assert len(calls) == 1 and not wide_calls
     pallas(logits, roots, 1.0, budget=128, topk_cap=4)
     assert wide_calls == [(128, 4, False)] and len(calls) == 1
+    auto(logits[:1], roots[:1], 1.0, budget=512, topk_cap=None)  # one request: the wide build under auto too
+    assert wide_calls[-1] == (512, 40, False) and len(calls) == 1
     pallas(logits, roots, 1.0, budget=15, topk_cap=4)
     assert calls[-1] == (15, 4, False)

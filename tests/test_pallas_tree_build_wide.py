@@ -16,13 +16,14 @@ SMALL = WideBuildConfig(rows=8, cols=16, entries=16)
 # (batch, depth, vocab, budget, k, launch): budgets 2 to 200, past the one-program kernel's 64 and between
 # powers of two; k = budget and a cap (k = 1 a chain); depth 1 (no depth launch), 15 and 16; fewer
 # candidate paths than the budget (vocab 3); rank tuples in one to five words; a program's candidates
-# spanning one to all of a depth's (rows 8 to 64 of 64 to 2,048 padded pairs) and order programs of 8 to 128
-# entries.
+# spanning one to all of a depth's (rows 8 to 64 of 64 to 2,048 padded pairs), steps of 8 candidates to all
+# of them (cols past the padded pairs: one step) and order programs of 8 to 128 entries.
 SHAPES = [(2, 15, 300, 16, 16, SMALL), (1, 1, 50, 4, 4, SMALL), (2, 3, 3, 5, 3, SMALL), (1, 2, 5, 2, 2, SMALL),
           (1, 7, 64, 16, 1, SMALL), (2, 16, 40, 64, 4, WideBuildConfig(rows=64, cols=64, entries=128)),
           (1, 9, 64, 100, 8, WideBuildConfig(rows=32, cols=128, entries=64, num_warps=8)),
           (1, 4, 300, 200, 200, WideBuildConfig(rows=64, cols=256, entries=128)),
-          (2, 5, 40, 24, 24, WideBuildConfig(rows=16, cols=8, entries=8))]
+          (2, 5, 40, 24, 24, WideBuildConfig(rows=16, cols=8, entries=8)),
+          (1, 6, 40, 70, 4, WideBuildConfig(rows=16, cols=1024, entries=64))]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -38,6 +39,7 @@ def test_wide_build_equals_reference_and_library(shape, seed, ties, certain):
 
 @pytest.mark.parametrize("budget, k, depth, config", [
     (512, 512, 15, None), (128, 4, 15, None), (1024, 1024, 16, None), (512, 512, 15, WideBuildConfig(rows=64)),
+    (512, 512, 15, WideBuildConfig(cols=128, num_warps=4)),
     (256, 4, 15, WideBuildConfig(rows=16, cols=256, entries=128, num_warps=8)), (16, 1, 1, None)])
 def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
@@ -56,7 +58,7 @@ def test_supported_shapes():
     assert not kernel_supports(2048, 2048, 15) and not kernel_supports(4096, 4, 15)  # over MAX_PAIRS once padded
     assert not kernel_supports(1, 1, 15) and not kernel_supports(16, 32, 15) and not kernel_supports(16, 16, 17)
     assert padded_pairs(512, 512, WideBuildConfig()) == 4096 <= MAX_PAIRS  # 3,280 candidates
-    assert padded_pairs(2, 1, WideBuildConfig()) == 128  # at least a step of `cols`
+    assert padded_pairs(2, 1, WideBuildConfig()) == 32  # at least a program's `rows`
 
 
 def test_bad_input_raises_clear_errors():
