@@ -10,7 +10,8 @@ kernel with the config the device's policy picks, and with ``--sweep`` a grid of
 the policy (weight tiles, K splits, pipeline depth), and with ``--match-xla`` the kernel with the tiles
 XLA's GEMM uses for the same product where that GEMM is a Triton one (read from its compiled HLO: does the
 kernel stream as fast as XLA's GEMM when tiled alike?; where XLA calls a library GEMM there are no tiles to
-copy, and the row says so). Each result is checked against the reference first. Prints a
+copy, and the row says so), and with ``--mosaic`` the Mosaic GPU kernel (``matmul_mgpu``: TMA-fed wgmmas, its
+prologue and epilogues as XLA ops). Each result is checked against the reference first. Prints a
 table and writes JSON.
 
     PYTHONPATH=. python experiments/bench_matmul.py --rows 1,16,64 --sweep --out bench_matmul.json
@@ -37,7 +38,9 @@ from ddtree_jax.experiments.provenance import command_line
 from pallas_kernels import configs
 from pallas_kernels.configs import MatmulConfig
 from pallas_kernels.matmul import matmul
-from pallas_kernels.matmul_reference import matmul_reference
+from pallas_kernels.matmul_mgpu import ROWS as MOSAIC_ROWS
+from pallas_kernels.matmul_mgpu import MosaicMatmulConfig, matmul_mgpu
+from pallas_kernels.matmul_reference import matmul_reference, rms_norm, swiglu
 
 # name: (K, N, gated, RMSNorm prologue, out dtype, residual epilogue)
 SHAPES = {
@@ -85,10 +88,26 @@ def xla_gemm_config(hlo_text: str, m: int, k: int, gated: bool) -> dict[str, Mat
     return tiles
 
 
+def mosaic_product(x_MK, w_KN, *, norm_K, gated, out_dtype, residual_MN, config):
+    """`matmul_reference`'s product with the Mosaic GPU kernel for ``x @ w`` and XLA's ops for the
+    RMSNorm before it and the SwiGLU and residual after it (the kernel has no prologue or epilogue);
+    interpreted off a GPU."""
+    x_MK = x_MK if norm_K is None else rms_norm(x_MK, norm_K, 1e-6)
+    y_MN = matmul_mgpu(x_MK, w_KN, out_dtype=out_dtype, config=config, interpret=jax.default_backend() != "gpu")
+    y_MN = swiglu(y_MN) if gated else y_MN
+    return y_MN if residual_MN is None else residual_MN + y_MN
+
+
 def product_fn(config, gated, norm, out_dtype, residual):
     """A jitted ``(x, norm_K, residual, ws) -> [x @ w for w in ws]`` (with the shape's prologue and
-    epilogues) on the kernel (``config``) or XLA (``None``)."""
-    fn = matmul_reference if config is None else functools.partial(matmul, config=config)
+    epilogues) on the kernel (a `MatmulConfig`), the Mosaic GPU kernel (a `MosaicMatmulConfig`) or XLA
+    (``None``)."""
+    if config is None:
+        fn = matmul_reference
+    elif isinstance(config, MosaicMatmulConfig):
+        fn = functools.partial(mosaic_product, config=config)
+    else:
+        fn = functools.partial(matmul, config=config)
 
     def run(x, norm_K, residual_MN, ws):
         return [fn(x, w, norm_K=norm_K if norm else None, gated=gated, out_dtype=out_dtype,
@@ -145,6 +164,9 @@ def main(argv=None) -> int:
     p.add_argument("--match-xla", action="store_true",
                    help="also time the kernel tiled as XLA's GEMM of each product where that is a Triton GEMM "
                         "(read from its HLO)")
+    p.add_argument("--mosaic", action="store_true",
+                   help=f"also time the Mosaic GPU kernel (TMA-fed, Hopper; rows <= {MOSAIC_ROWS}; its RMSNorm, SwiGLU "
+                        "and residual run as XLA ops)")
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
@@ -164,6 +186,8 @@ def main(argv=None) -> int:
             impls = {"xla": None, "kernel": configs.matmul_config(policy, m, k, n, gated)}
             if args.sweep and m <= args.sweep_rows:
                 impls.update(sweep_configs(policy, m, k, n, gated))
+            if args.mosaic and m <= MOSAIC_ROWS:
+                impls["mosaic"] = MosaicMatmulConfig()
             groups[(name, m)] = [(name, m, impl, config) for impl, config in impls.items()]
     compiled = compile_all([job for jobs in groups.values() for job in jobs], args.copies)
     if args.match_xla:

@@ -17,6 +17,8 @@ device, over shapes too large for the CPU.
   Qwen3-8B's projections with their prologue and epilogues at M = 1, 16, 65, 520 and on ragged
   shapes; within bf16 rounding of the float32-accumulated reference. ``matmul_auto``: the same
   cases through ``kernels.matmul_fn("auto")`` (the models' default: XLA, with few rows padded).
+  ``matmul_mosaic``: the Mosaic GPU matmul (``matmul_mgpu``, Hopper) against the plain product at the
+  projections' shapes and 1, 16 and 64 rows, and the LM head at 16, within the same tolerance.
 - ``forward_auto``: whole target forwards (Qwen3-8B layers, four of them, random bf16 weights) with
   ``matmul_impl="auto"`` and ``attention_impl="auto"`` (on sm_90 every product of fewer than 16 rows
   zero-padded to 16; the attention and K/V-write kernels) against ``"xla"`` for both: decode steps at
@@ -74,6 +76,7 @@ from ddtree_jax.verify import verify_from_coins
 from experiments.bench_kernels import compare_results, fused_sampler, sampling_inputs
 from pallas_kernels.configs import tree_attention_config
 from pallas_kernels.kv_write_reference import kv_write_reference
+from pallas_kernels.matmul_mgpu import matmul_mgpu
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, qk_norm_rope_write_reference, rope_tables
 from pallas_kernels.tree_attention import tree_attention
@@ -166,6 +169,31 @@ def check_matmul(interpret=False, cases=MATMUL_CASES, impl=None):
             return dict(max_abs_err=err, ref_scale=scale, ok=ok)
 
         records.append(_run_case(record, check))
+    return records
+
+
+# (M, K, N) of the Mosaic GPU matmul: the Qwen3-8B projections at 1, 16 and 64 rows, and the LM head at 16
+MOSAIC_MATMUL_CASES = [(m, k, n) for m in (1, 16, 64) for k, n in ((4096, 6144), (4096, 4096), (4096, 24576),
+                                                                    (12288, 4096))] + [(16, 4096, 151_936)]
+
+
+def check_matmul_mosaic(interpret=False, cases=MOSAIC_MATMUL_CASES):
+    """The Mosaic GPU matmul (``pallas_kernels.matmul_mgpu``, default tiling, or interpreted) against the
+    plain product of its reference, within the matmul part's tolerance."""
+    records = []
+    for seed, (m, k, n) in enumerate(cases):
+        keys = jax.random.split(jax.random.key(seed))
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        w = (jax.random.normal(keys[1], (k, n)) * k ** -0.5).astype(jnp.bfloat16)
+
+        def check(x=x, w=w):
+            out = np.asarray(matmul_mgpu(x, w, interpret=interpret), np.float32)
+            ref = np.asarray(matmul_reference(x, w), np.float32)
+            err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
+            ok = bool(np.isfinite(out).all() and err <= 2e-2 * max(scale, 1))
+            return dict(max_abs_err=err, ref_scale=scale, ok=ok)
+
+        records.append(_run_case(dict(part="matmul_mosaic", m=m, k=k, n=n), check))
     return records
 
 
@@ -489,8 +517,8 @@ def _check_attention_backend(record, args, scale, ref, backend):
 
 
 BACKENDS = ("triton", "triton_by_length", "mosaic")
-PARTS = ("attention", "sampling", "matmul", "matmul_auto", "forward_auto", "drafter_auto", "rope", "rope_write",
-         "kv_write", "tree_build")
+PARTS = ("attention", "sampling", "matmul", "matmul_auto", "matmul_mosaic", "forward_auto", "drafter_auto", "rope",
+         "rope_write", "kv_write", "tree_build")
 
 
 def main(argv=None):
@@ -504,7 +532,8 @@ def main(argv=None):
     backends, parts = tuple(args.backends), args.parts
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     checks = dict(attention=lambda: check_attention(backends), sampling=check_sampling, matmul=check_matmul,
-                  matmul_auto=functools.partial(check_matmul, impl="auto"), forward_auto=check_forward,
+                  matmul_auto=functools.partial(check_matmul, impl="auto"), matmul_mosaic=check_matmul_mosaic,
+                  forward_auto=check_forward,
                   drafter_auto=check_drafter, rope=check_rope, rope_write=check_rope_write, kv_write=check_kv_write,
                   tree_build=check_tree_build)
     results = {part: checks[part]() for part in parts}

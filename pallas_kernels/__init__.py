@@ -6,7 +6,8 @@
 - ``tree_sample`` (the package ``tree_sampling``): fused tree verification from target logits
   (walk + final draw); ``tree_sample_reference`` is its jnp specification, same signature.
 - ``matmul``: the skinny matrix products of decoding (split-K, RMSNorm prologue, SwiGLU and
-  residual epilogues); reference ``matmul_reference``.
+  residual epilogues); reference ``matmul_reference``. ``matmul_mgpu`` (Mosaic GPU, Hopper): the
+  plain product with the weights streamed by TMA into warpgroup MMAs.
 - ``kv_write``: a forward's new keys and values into the stacked KV caches, in place; reference
   ``kv_write_reference``.
 - ``qk_norm_rope``: a layer's q/k/v split, per-head q/k RMSNorm and RoPE in one launch; reference
@@ -24,6 +25,7 @@ from pallas_kernels.configs import MatmulConfig, TreeAttentionConfig, tree_atten
 from pallas_kernels.kv_write import kv_write
 from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul import matmul
+from pallas_kernels.matmul_mgpu import matmul_mgpu
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, qk_norm_rope_write_reference
@@ -35,6 +37,6 @@ from pallas_kernels.tree_build_wide import tree_nodes_wide
 from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample_reference
 
 __all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "kv_write", "kv_write_reference", "matmul",
-           "matmul_reference", "qk_norm_rope", "qk_norm_rope_reference", "qk_norm_rope_write",
+           "matmul_mgpu", "matmul_reference", "qk_norm_rope", "qk_norm_rope_reference", "qk_norm_rope_write",
            "qk_norm_rope_write_reference", "tree_attention", "tree_attention_config", "tree_attention_reference",
            "tree_nodes", "tree_nodes_reference", "tree_nodes_wide", "tree_sample", "tree_sample_reference"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def check_fields(config, *, powers_of_two=(), positive=(), non_negative=(), warps=()) -> None:
@@ -154,6 +155,14 @@ def device_capability() -> tuple[int, int]:
         return (0, 0)
     major, minor = str(capability).split(".")
     return int(major), int(minor)
+
+
+def mosaic_interpret_params():
+    """The Mosaic GPU interpreter's parameters (``interpret=`` of ``plgpu.kernel``: run on the CPU)."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:  # JAX 0.10 keeps the Mosaic GPU interpreter private
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
 
 
 def device_multiprocessors() -> int | None:

@@ -34,7 +34,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.configs import MOSAIC_TREE_ATTENTION_CONFIGS, TreeAttentionConfig, device_multiprocessors
+from pallas_kernels.configs import (
+    MOSAIC_TREE_ATTENTION_CONFIGS,
+    TreeAttentionConfig,
+    device_multiprocessors,
+    mosaic_interpret_params,
+)
 from pallas_kernels.split_k import blocks_per_split, merge_splits, round_up, split_count
 from pallas_kernels.tree_attention_reference import check_shapes, stacked
 
@@ -284,13 +289,6 @@ def _scratch(head_dim, dtype, num_buffers, keys_transposed):
     ]
 
 
-def _interpret_params():
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    if params is None:  # JAX 0.10 keeps the Mosaic GPU interpreter private
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
-
-
 def _pack_queries(q_BNHD, num_kv, rows_pad):
     """``[B, N, H, D]`` -> ``[B, K, rows_pad, D]`` with row ``g * N + i`` = node i of head g."""
     batch, num_q, num_heads, head_dim = q_BNHD.shape
@@ -334,7 +332,7 @@ def _tree_attention_mgpu(q_BNHD, k_BKSD, v_BKSD, lengths_B, mask_BNM, *, scale, 
         scratch_types=_scratch(head_dim, q_BNHD.dtype, num_buffers, keys_transposed=interpret),
         grid=(plan.rows_pad // BLOCK, plan.num_splits, batch, num_kv),
         grid_names=("rows", "split", "batch", "kv"),
-        interpret=_interpret_params() if interpret else None)
+        interpret=mosaic_interpret_params() if interpret else None)
     o_BKJMD, m_BKJM, l_BKJM = kernel(lengths_B, starts_B, q_BKMD, keys, v_BKSD, bias_BRW)
     o_BKMD = merge_splits(o_BKJMD, m_BKJM, l_BKJM)
     return _unpack_output(o_BKMD, num_q, num_heads).astype(q_BNHD.dtype)
