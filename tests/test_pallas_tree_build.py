@@ -77,9 +77,16 @@ SHAPES = [(2, 15, 300, 16, 16, None), (1, 15, 300, 16, 4, None), (3, 5, 17, 8, 8
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), ties=st.booleans(), certain=st.booleans())
 def test_kernel_equals_reference_and_library(shape, seed, ties, certain):
+    assert_build_equals_reference_and_library(tree_nodes, shape, seed, ties, certain)
+
+
+def assert_build_equals_reference_and_library(build, shape, seed, ties, certain):
+    """``build(lp, ids, budget=, config=, interpret=True)`` (a kernel's nodes) on the top-k rows of
+    ``shape = (batch, depth, vocab, budget, k, config)`` (`top_k_rows`) equals the reference and the XLA
+    path."""
     batch, depth, vocab, budget, k, config = shape
     lp, ids = top_k_rows(seed, batch, depth, vocab, k, ties, certain)
-    got = tree_nodes(lp, ids, budget=budget, config=config, interpret=True)
+    got = build(lp, ids, budget=budget, config=config, interpret=True)
     assert_equal_nodes(got, tree_nodes_reference(lp, ids, budget=budget))
     assert_equal_nodes(got, library_nodes(lp, ids, budget))
 

@@ -6,10 +6,9 @@ import jax.numpy as jnp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_pallas_tree_build import assert_equal_nodes, library_nodes, top_k_rows
+from test_pallas_tree_build import assert_build_equals_reference_and_library, top_k_rows
 
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_build_reference import tree_nodes_reference
 from pallas_kernels.tree_build_wide import MAX_PAIRS, WideBuildConfig, kernel_supports, padded_pairs, tree_nodes_wide
 
 SMALL = WideBuildConfig(rows=8, cols=16, entries=16)
@@ -30,11 +29,7 @@ SHAPES = [(2, 15, 300, 16, 16, SMALL), (1, 1, 50, 4, 4, SMALL), (2, 3, 3, 5, 3, 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), ties=st.booleans(), certain=st.booleans())
 def test_wide_build_equals_reference_and_library(shape, seed, ties, certain):
-    batch, depth, vocab, budget, k, config = shape
-    lp, ids = top_k_rows(seed, batch, depth, vocab, k, ties, certain)
-    got = tree_nodes_wide(lp, ids, budget=budget, config=config, interpret=True)
-    assert_equal_nodes(got, tree_nodes_reference(lp, ids, budget=budget))
-    assert_equal_nodes(got, library_nodes(lp, ids, budget))
+    assert_build_equals_reference_and_library(tree_nodes_wide, shape, seed, ties, certain)
 
 
 @pytest.mark.parametrize("budget, k, depth, config", [
