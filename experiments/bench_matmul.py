@@ -11,8 +11,8 @@ the policy (weight tiles, K splits, pipeline depth), and with ``--match-xla`` th
 XLA's GEMM uses for the same product where that GEMM is a Triton one (read from its compiled HLO: does the
 kernel stream as fast as XLA's GEMM when tiled alike?; where XLA calls a library GEMM there are no tiles to
 copy, and the row says so), and with ``--mosaic`` the Mosaic GPU kernel (``matmul_mgpu``: TMA-fed wgmmas, its
-prologue and epilogues as XLA ops). Each result is checked against the reference first. Prints a
-table and writes JSON.
+prologue and epilogues as XLA ops; ``--mosaic-sweep`` a grid of its configs). Each result is checked
+against the reference first. Prints a table and writes JSON.
 
     PYTHONPATH=. python experiments/bench_matmul.py --rows 1,16,64 --sweep --out bench_matmul.json
 """
@@ -39,7 +39,7 @@ from pallas_kernels import configs
 from pallas_kernels.configs import MatmulConfig
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_mgpu import ROWS as MOSAIC_ROWS
-from pallas_kernels.matmul_mgpu import MosaicMatmulConfig, matmul_mgpu
+from pallas_kernels.matmul_mgpu import MosaicMatmulConfig, matmul_mgpu, split_count
 from pallas_kernels.matmul_reference import matmul_reference, rms_norm, swiglu
 
 # name: (K, N, gated, RMSNorm prologue, out dtype, residual epilogue)
@@ -61,6 +61,27 @@ def sweep_configs(policy, m, k, n, gated) -> dict:
         config = configs.matmul_config(swept, m, k, n, gated)
         grid[f"n{config.block_n}_k{config.block_k}_s{config.num_stages}_x{config.splits}"] = config
     return grid
+
+
+def mosaic_sweep_configs(k, n) -> dict:
+    """Mosaic GPU kernel configs of a grid: tile widths and heights, pipeline depth, and the K splits of
+    the SM-count policy and twice as many (where they divide K's tiles); those whose buffers (``x`` and
+    ``w`` tiles a stage, the float32 output tile) fit `MOSAIC_SMEM_BYTES`."""
+    grid = {}
+    sms = configs.device_multiprocessors() or 132
+    for block_n, block_k, stages in itertools.product((64, 128, 256), (64, 128), (4, 6)):
+        tiles = k // block_k
+        smem = stages * (MOSAIC_ROWS + block_n) * block_k * 2 + MOSAIC_ROWS * block_n * 4
+        if k % block_k or n % block_n or smem > MOSAIC_SMEM_BYTES:
+            continue
+        policy = split_count(tiles, n // block_n, sms)
+        for splits in sorted({policy, 2 * policy if tiles % (2 * policy) == 0 else policy}):
+            config = MosaicMatmulConfig(block_n=block_n, block_k=block_k, splits=splits, num_stages=stages)
+            grid[f"mosaic_n{block_n}_k{block_k}_s{stages}_x{splits}"] = config
+    return grid
+
+
+MOSAIC_SMEM_BYTES = 227 * 1024  # shared memory a Hopper thread block may take
 
 
 _GEMM_FIELDS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
@@ -167,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--mosaic", action="store_true",
                    help=f"also time the Mosaic GPU kernel (TMA-fed, Hopper; rows <= {MOSAIC_ROWS}; its RMSNorm, SwiGLU "
                         "and residual run as XLA ops)")
+    p.add_argument("--mosaic-sweep", action="store_true",
+                   help="with --mosaic, also time a grid of its configs (tiles, pipeline depth, K splits)")
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
@@ -188,6 +211,8 @@ def main(argv=None) -> int:
                 impls.update(sweep_configs(policy, m, k, n, gated))
             if args.mosaic and m <= MOSAIC_ROWS:
                 impls["mosaic"] = MosaicMatmulConfig()
+                if args.mosaic_sweep:
+                    impls.update(mosaic_sweep_configs(k, n))
             groups[(name, m)] = [(name, m, impl, config) for impl, config in impls.items()]
     compiled = compile_all([job for jobs in groups.values() for job in jobs], args.copies)
     if args.match_xla:

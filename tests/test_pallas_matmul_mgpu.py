@@ -120,3 +120,20 @@ def test_gpu_equality_script_mosaic_part_runs_interpreted(monkeypatch):
     monkeypatch.setattr(check_kernels, "matmul_mgpu", lambda x, w, interpret: matmul_mgpu(
         x[:, 64:], w[64:], interpret=interpret))  # one K tile left out
     assert not any(r["ok"] for r in check_kernels.check_matmul_mosaic(interpret=True, cases=cases))
+
+
+def test_benchmark_sweep_of_mosaic_configs():
+    """`bench_matmul.py --mosaic-sweep`: every config fits a Hopper block's shared memory and splits K's
+    tiles evenly, the policy's splits among them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.bench_matmul import MOSAIC_SMEM_BYTES, mosaic_sweep_configs
+
+    grid = mosaic_sweep_configs(12288, 4096)
+    assert grid and all((64 + c.block_n) * c.block_k * 2 * c.num_stages + 64 * c.block_n * 4 <= MOSAIC_SMEM_BYTES
+                        for c in grid.values())
+    assert all((12288 // c.block_k) % c.splits == 0 for c in grid.values())
+    assert grid["mosaic_n128_k64_s4_x6"] == MosaicMatmulConfig(splits=6)  # the policy's split at 132 SMs
+    assert "mosaic_n256_k128_s6_x3" not in grid  # 6 stages of 128 x 256 tiles: 288 KB
