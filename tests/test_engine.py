@@ -351,7 +351,7 @@ def test_all_methods_share_one_round_function():
 
 def test_pallas_kernels_behind_the_switches_give_the_same_tokens():
     """The Pallas attention, K/V write, tree build and fused sampler (interpreted on CPU) plug into the
-    same round."""
+    same round; so does the wide tree build of budgets past 64."""
     target, drafter = tiny_pair(vocab=8, head_dim=16)
     kw = dict(method="ddtree", budget=8, max_new_tokens=5, temperature=np.array([0.0, 1.0, 0.7, 1.0]),
               top_p=np.array([1.0, 1.0, 0.8, 1.0]), top_k=np.array([0, 0, 0, 3]), key=jax.random.key(4))
@@ -363,6 +363,9 @@ def test_pallas_kernels_behind_the_switches_give_the_same_tokens():
     assert per_round(kernels) == per_round(xla)
     with pytest.raises(ValueError, match="attention_impl"):
         generate(target, drafter, PROMPTS, attention_impl="cuda", **kw)
+    wide = dict(kw, budget=80)  # past the one-program kernel's 64: the wide build
+    np.testing.assert_array_equal(generate(target, drafter, PROMPTS, build_impl="interpret", **wide).tokens,
+                                  generate(target, drafter, PROMPTS, build_impl="xla", **wide).tokens)
     with pytest.raises(ValueError, match="sampler_impl"):
         generate(target, drafter, PROMPTS, sampler_impl="fast", **kw)
     with pytest.raises(ValueError, match="build_impl"):
