@@ -74,7 +74,8 @@ def tree_build_config(budget: int, k: int) -> TreeBuildConfig:
     return TreeBuildConfig(num_warps=16 if budget == 64 else 8, chunk=32)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for ``n <= 1``)."""
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -99,7 +100,7 @@ def rank_packing(k: int, depth: int) -> tuple[int, int, int]:
 def candidate_chunks(budget: int, k: int, chunk: int) -> tuple[int, int]:
     """(candidates a chunk, chunks) of a depth's `beam_pairs` under ``TreeBuildConfig.chunk``."""
     pairs = len(beam_pairs(budget, k)[0])
-    tile = chunk or _pow2(pairs)
+    tile = chunk or pow2(pairs)
     return tile, -(-pairs // tile)
 
 
@@ -124,15 +125,11 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, config: TreeBuildConfig | None =
         of two); ``config.supports(W, K)`` must hold.
       interpret: run in the Pallas interpreter.
     """
-    if jnp.ndim(lp_BLK) != 3:
-        raise ValueError(f"lp_BLK must be [batch, L, K], got shape {jnp.shape(lp_BLK)}")
-    batch, depth, k = lp_BLK.shape
-    if tok_BLK.shape != lp_BLK.shape:
-        raise ValueError(f"tok_BLK must have the shape of lp_BLK {lp_BLK.shape}, got {tok_BLK.shape}")
+    batch, depth, k = check_top_k_rows(lp_BLK, tok_BLK)
     if not kernel_supports(budget, k, depth):
         raise ValueError(f"the tree-build kernel does not take budget {budget} with k {k} and depth {depth} "
                          f"(kernel_supports)")
-    width = _pow2(budget)
+    width = pow2(budget)
     config = tree_build_config(width, k) if config is None else config
     if not isinstance(config, TreeBuildConfig) or not config.supports(width, k):
         raise ValueError(f"config {config!r} does not take budget {budget} (beams {width} wide) with k {k} "
@@ -141,11 +138,21 @@ def tree_nodes(lp_BLK, tok_BLK, *, budget: int, config: TreeBuildConfig | None =
                        config=config, interpret=bool(interpret))
 
 
+def check_top_k_rows(lp_BLK, tok_BLK) -> tuple[int, int, int]:
+    """``(batch, L, K)`` of a build's top-k rows; a ValueError naming the argument unless ``lp_BLK`` is
+    ``[batch, L, K]`` and ``tok_BLK`` has its shape."""
+    if jnp.ndim(lp_BLK) != 3:
+        raise ValueError(f"lp_BLK must be [batch, L, K], got shape {jnp.shape(lp_BLK)}")
+    if jnp.shape(tok_BLK) != jnp.shape(lp_BLK):
+        raise ValueError(f"tok_BLK must have the shape of lp_BLK {jnp.shape(lp_BLK)}, got {jnp.shape(tok_BLK)}")
+    return jnp.shape(lp_BLK)
+
+
 @functools.partial(jax.jit, static_argnames=("budget", "config", "interpret"))
 def _tree_nodes(lp_BLK, tok_BLK, *, budget, config: TreeBuildConfig, interpret):
     batch, depth, k = lp_BLK.shape
-    width = _pow2(budget)  # the beams' width, whose tree's first `budget` nodes are the answer
-    depth2, k2 = _pow2(depth), _pow2(k)
+    width = pow2(budget)  # the beams' width, whose tree's first `budget` nodes are the answer
+    depth2, k2 = pow2(depth), pow2(k)
     pair_i, pair_r = beam_pairs(width, k)
     tile, chunks = candidate_chunks(width, k, config.chunk)
     # padding pairs match no beam entry and no rank: -inf candidates

@@ -41,16 +41,19 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.tree_build import MAX_DEPTH, beam_pairs, prefix_lengths, rank_packing
+from pallas_kernels.tree_build import (
+    MAX_DEPTH,
+    WARPS,
+    beam_pairs,
+    check_top_k_rows,
+    pow2,
+    prefix_lengths,
+    rank_packing,
+)
 
 MAX_PAIRS = 8192  # a depth's candidates, padded to a power of two: every program holds all their keys
 _PAD_LEX = 1 << 30  # padding candidates' lex (plus their index): after every real candidate's
 _KEY_CHUNK = 1024  # candidates whose keys a program computes at once
-WARPS = (1, 2, 4, 8, 16)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _is_pow2(n) -> bool:
@@ -82,14 +85,14 @@ class WideBuildConfig:
 
 def padded_pairs(budget: int, k: int, config: WideBuildConfig) -> int:
     """A depth's candidates (`beam_pairs`) padded to a power of two of at least ``rows``."""
-    return max(_pow2(len(beam_pairs(budget, k)[0])), config.rows)
+    return max(pow2(len(beam_pairs(budget, k)[0])), config.rows)
 
 
 def kernel_supports(budget: int, k: int, depth: int) -> bool:
     """Whether the wide build takes this shape: ``budget >= 2``, ``1 <= k <= budget``, ``1 <= depth <=
     MAX_DEPTH`` and at most `MAX_PAIRS` candidates a depth once padded (budgets up to 1,024)."""
     return (2 <= budget and 1 <= k <= budget and 1 <= depth <= MAX_DEPTH
-            and _pow2(len(beam_pairs(budget, k)[0])) <= MAX_PAIRS)
+            and pow2(len(beam_pairs(budget, k)[0])) <= MAX_PAIRS)
 
 
 def tree_nodes_wide(lp_BLK, tok_BLK, *, budget: int, config: WideBuildConfig | None = None, interpret: bool = False):
@@ -105,11 +108,7 @@ def tree_nodes_wide(lp_BLK, tok_BLK, *, budget: int, config: WideBuildConfig | N
       config: the launches (default `WideBuildConfig()`).
       interpret: run in the Pallas interpreter.
     """
-    if jnp.ndim(lp_BLK) != 3:
-        raise ValueError(f"lp_BLK must be [batch, L, K], got shape {jnp.shape(lp_BLK)}")
-    batch, depth, k = lp_BLK.shape
-    if jnp.shape(tok_BLK) != lp_BLK.shape:
-        raise ValueError(f"tok_BLK must have the shape of lp_BLK {lp_BLK.shape}, got {jnp.shape(tok_BLK)}")
+    _, depth, k = check_top_k_rows(lp_BLK, tok_BLK)
     if not (isinstance(budget, int) and kernel_supports(budget, k, depth)):
         raise ValueError(f"the wide tree build does not take budget {budget!r} with k {k} and depth {depth} "
                          f"(kernel_supports)")
@@ -123,7 +122,7 @@ def tree_nodes_wide(lp_BLK, tok_BLK, *, budget: int, config: WideBuildConfig | N
 @functools.partial(jax.jit, static_argnames=("budget", "config", "interpret"))
 def _tree_nodes_wide(lp_BLK, tok_BLK, *, budget, config: WideBuildConfig, interpret):
     batch, depth, k = lp_BLK.shape
-    depth2, k2 = _pow2(depth), _pow2(k)
+    depth2, k2 = pow2(depth), pow2(k)
     pad = [(0, 0), (0, depth2 - depth), (0, k2 - k)]
     lp, tok = jnp.pad(lp_BLK, pad, constant_values=-jnp.inf), jnp.pad(tok_BLK, pad)
     bits, per_word, words = rank_packing(k, depth)
@@ -150,7 +149,8 @@ def _tree_nodes_wide(lp_BLK, tok_BLK, *, budget, config: WideBuildConfig, interp
                           config=config, interpret=interpret)
     for d in range(1, depth):
         beams = extend(jnp.full((1,), d, jnp.int32), lp, tok, pair_i, pair_r, *beams)
-    return _order(*beams, budget=budget, config=config, interpret=interpret)
+    logw, tok, par, _, words = beams  # lex orders candidates within a depth only
+    return _order(logw, tok, par, words, budget=budget, config=config, interpret=interpret)
 
 
 def _extend_call(batch, depth2, k2, words, pairs, *, budget, k, bits, per_word, config, interpret):
@@ -236,12 +236,11 @@ def _extend_kernel(d_ref, lp_ref, tok_ref, pair_i_ref, pair_r_ref, logw_in, tok_
         plt.store(words_out.at[x_R, here, rank], parent_words + jnp.where(word == x, new_rank, 0), mask=keep)
 
 
-def _order(logw, tok, par, lex, words, *, budget, config, interpret):
+def _order(logw, tok, par, words, *, budget, config, interpret):
     """The global order of the beams' first ``W2`` slots a row (`_order_kernel`), then each node's parent
     entry made a node index."""
-    del lex
     batch, depth2, _ = logw.shape
-    num_words, width2 = words.shape[1], _pow2(budget)
+    num_words, width2 = words.shape[1], pow2(budget)
     slots = depth2 * width2
     entries = min(config.entries, slots)
     beam_spec = pl.BlockSpec((None, depth2, width2), lambda b, c: (b, 0, 0))
