@@ -186,28 +186,26 @@ def _extend_kernel(d_ref, lp_ref, tok_ref, pair_i_ref, pair_r_ref, logw_in, tok_
     d = d_ref[0]
     pairs, k2 = pair_i_ref.shape[0], lp_ref.shape[1]
 
-    def gather(pair_i, pair_r, index):
-        """Candidates' (logw, lex, clamped beam entry, clamped rank, real); padding pairs (i = B) are
-        -inf with lex after every real one's."""
-        real = pair_i < budget
-        i, r = jnp.minimum(pair_i, budget - 1), jnp.minimum(pair_r, k2 - 1)
-        above, here = jnp.full(i.shape, d - 1, jnp.int32), jnp.full(i.shape, d, jnp.int32)
-        logw = jnp.where(real, plt.load(logw_in.at[above, i]) + plt.load(lp_ref.at[here, r]), -jnp.inf)
-        lex = jnp.where(real, plt.load(lex_in.at[above, i]) * k + pair_r, _PAD_LEX + index)
-        return logw, lex, i, r, real
+    def clamped(pair_i, pair_r):  # the beam entry and rank a pair loads (padding pairs: in range, unused)
+        return jnp.minimum(pair_i, budget - 1), jnp.minimum(pair_r, k2 - 1)
 
     size = min(pairs, _KEY_CHUNK)
     for start in range(0, pairs, size):  # unrolled: independent loads, a bounded number of registers
         part = pl.ds(start, size)
-        logw, lex, *_ = gather(pair_i_ref[part], pair_r_ref[part],
-                               start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0))
-        neg_logw_buf[part] = -logw
-        lex_buf[part] = lex
+        pair_i, pair_r = pair_i_ref[part], pair_r_ref[part]
+        i, r = clamped(pair_i, pair_r)
+        real = pair_i < budget  # padding pairs (i = B): -inf, lex after every real one's
+        above, here = jnp.full((size,), d - 1, jnp.int32), jnp.full((size,), d, jnp.int32)
+        logw = plt.load(logw_in.at[above, i]) + plt.load(lp_ref.at[here, r])
+        neg_logw_buf[part] = jnp.where(real, -logw, jnp.inf)
+        lex_buf[part] = jnp.where(real, plt.load(lex_in.at[above, i]) * k + pair_r,
+                                  _PAD_LEX + start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0))
     if barrier:
         plt.debug_barrier()
 
     own = pl.ds(pl.program_id(1) * rows, rows)
-    q_key, q_lex = neg_logw_buf[own][None, :], lex_buf[own][None, :]
+    q_neg_logw = neg_logw_buf[own]
+    q_key, q_lex = q_neg_logw[None, :], lex_buf[own][None, :]
 
     def count(step, carry):  # candidates [step * cols, (step + 1) * cols) against this program's
         rank, lex_rank = carry
@@ -222,7 +220,8 @@ def _extend_kernel(d_ref, lp_ref, tok_ref, pair_i_ref, pair_r_ref, logw_in, tok_
     rank, lex_rank = jax.lax.fori_loop(0, pairs // cols, count, (zeros, zeros))
 
     pair_i = pair_i_ref[own]
-    logw, _, i, r, _ = gather(pair_i, pair_r_ref[own], jnp.zeros((rows,), jnp.int32))
+    i, r = clamped(pair_i, pair_r_ref[own])
+    logw = -q_neg_logw
     keep = rank < budget
     here, above = jnp.full((rows,), d, jnp.int32), jnp.full((rows,), d - 1, jnp.int32)
     word = jax.lax.div(d, jnp.int32(per_word))
