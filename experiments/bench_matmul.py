@@ -63,6 +63,9 @@ def sweep_configs(policy, m, k, n, gated) -> dict:
     return grid
 
 
+MOSAIC_SMEM_BYTES = 227 * 1024  # shared memory a Hopper thread block may take
+
+
 def mosaic_sweep_configs(k, n) -> dict:
     """Mosaic GPU kernel configs of a grid: tile widths and heights, pipeline depth, and the K splits of
     the SM-count policy and twice as many (where they divide K's tiles); those whose buffers (``x`` and
@@ -79,9 +82,6 @@ def mosaic_sweep_configs(k, n) -> dict:
             config = MosaicMatmulConfig(block_n=block_n, block_k=block_k, splits=splits, num_stages=stages)
             grid[f"mosaic_n{block_n}_k{block_k}_s{stages}_x{splits}"] = config
     return grid
-
-
-MOSAIC_SMEM_BYTES = 227 * 1024  # shared memory a Hopper thread block may take
 
 
 _GEMM_FIELDS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")

@@ -144,6 +144,14 @@ MATMUL_CASES += [(3, 1000, 77, False, True, True, None), (33, 300, 130, True, Tr
                  (7, 4096, 6144, False, False, False, (4096, 6144))]
 
 
+def product_record(out, ref) -> dict:
+    """A product against its reference: the largest error, the reference's scale, and whether the
+    product is finite and within bf16 rounding (2% of the scale, at least of 1)."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
+    return dict(max_abs_err=err, ref_scale=scale, ok=bool(np.isfinite(out).all() and err <= 2e-2 * max(scale, 1)))
+
+
 def check_matmul(interpret=False, cases=MATMUL_CASES, impl=None):
     """The skinny matmul (``kernels.matmul_fn("pallas")``, or interpreted) against its reference; with
     ``impl="auto"``, the projections the models run by default (XLA, few rows padded on some GPUs)."""
@@ -162,11 +170,7 @@ def check_matmul(interpret=False, cases=MATMUL_CASES, impl=None):
                       columns=columns)
 
         def check(x=x, w=w, kwargs=kwargs):
-            out = np.asarray(product(x, w, **kwargs), np.float32)
-            ref = np.asarray(matmul_reference(x, w, **kwargs), np.float32)
-            err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
-            ok = bool(np.isfinite(out).all() and err <= 2e-2 * max(scale, 1))
-            return dict(max_abs_err=err, ref_scale=scale, ok=ok)
+            return product_record(product(x, w, **kwargs), matmul_reference(x, w, **kwargs))
 
         records.append(_run_case(record, check))
     return records
@@ -187,11 +191,7 @@ def check_matmul_mosaic(interpret=False, cases=MOSAIC_MATMUL_CASES):
         w = (jax.random.normal(keys[1], (k, n)) * k ** -0.5).astype(jnp.bfloat16)
 
         def check(x=x, w=w):
-            out = np.asarray(matmul_mgpu(x, w, interpret=interpret), np.float32)
-            ref = np.asarray(matmul_reference(x, w), np.float32)
-            err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
-            ok = bool(np.isfinite(out).all() and err <= 2e-2 * max(scale, 1))
-            return dict(max_abs_err=err, ref_scale=scale, ok=ok)
+            return product_record(matmul_mgpu(x, w, interpret=interpret), matmul_reference(x, w))
 
         records.append(_run_case(dict(part="matmul_mosaic", m=m, k=k, n=n), check))
     return records
