@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.configs import device_multiprocessors, mosaic_interpret_params
+from pallas_kernels.matmul import check_operands
 
 ROWS = 64  # the M of a wgmma: x's rows are padded to it
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -82,8 +83,7 @@ def matmul_mgpu(x_MK, w_KN, *, out_dtype=None, config: MosaicMatmulConfig | None
     config = MosaicMatmulConfig() if config is None else config
     if not isinstance(config, MosaicMatmulConfig):
         raise ValueError(f"config must be a MosaicMatmulConfig, got {config!r}")
-    if jnp.ndim(x_MK) != 2 or jnp.ndim(w_KN) != 2 or x_MK.shape[1] != w_KN.shape[0]:
-        raise ValueError(f"x must be [M, K] and w [K, N], got shapes {jnp.shape(x_MK)} and {jnp.shape(w_KN)}")
+    check_operands(x_MK, w_KN, None, False)
     (m, k), n = x_MK.shape, w_KN.shape[1]
     if not any(x_MK.dtype == d for d in DTYPES) or x_MK.dtype != w_KN.dtype:
         raise ValueError(f"x and w must share one dtype among bfloat16, float16, got {x_MK.dtype} and {w_KN.dtype}")
