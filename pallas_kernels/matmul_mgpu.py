@@ -11,8 +11,8 @@ XLA runs around its GEMMs. Program ``(j, s)`` of the grid ``(N / block_n, splits
   are TMA-copied into a ring of ``num_stages`` swizzled shared-memory buffers (``emit_pipeline``), each
   multiplied into a float32 accumulator by one wgmma as it lands, with ``x``'s ``[64, block_k]`` tile;
 - **split-K**: with few column blocks (``N = 4096`` gives 32) K is cut into ``splits`` chunks so that
-  every SM streams; each program writes a float32 partial product ``[splits, 64, N]`` that the wrapper
-  adds up and rounds.
+  every SM streams; each program writes its block of a float32 partial product ``[splits, M8, N]``
+  (``M8``: ``M`` rounded up to 8, the padding rows left out) that the wrapper adds up and rounds.
 
 Same function as the plain product of `matmul_reference` (float32 accumulation, rounded to the result's
 dtype), within the order of the float32 sums.
@@ -112,6 +112,7 @@ def _matmul_mgpu(x_MK, w_KN, *, splits, out_dtype, config: MosaicMatmulConfig, i
     (m, k), n = x_MK.shape, w_KN.shape[1]
     bn, bk = config.block_n, config.block_k
     per_split = k // bk // splits
+    rows_out = min(ROWS, -(-m // 8) * 8)  # the partials keep x's rows (whole 8-row groups), not the padding
     transforms = _swizzled(x_MK.dtype)
 
     def kernel(x_gmem, w_gmem, out_gmem, out_smem):
@@ -132,11 +133,11 @@ def _matmul_mgpu(x_MK, w_KN, *, splits, out_dtype, config: MosaicMatmulConfig, i
 
         out_smem[...] = pl.run_scoped(accumulate, plgpu.ACC((ROWS, bn), jnp.float32))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[s, :, pl.ds(j * bn, bn)])
+        plgpu.copy_smem_to_gmem(out_smem.at[:rows_out], out_gmem.at[s, :, pl.ds(j * bn, bn)])
         plgpu.wait_smem_to_gmem(0)
 
     partial_SRN = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((splits, ROWS, n), jnp.float32),
+        kernel, out_type=jax.ShapeDtypeStruct((splits, rows_out, n), jnp.float32),
         scratch_types=[plgpu.SMEM((ROWS, bn), jnp.float32)], grid=(n // bn, splits), grid_names=("n", "split"),
         interpret=mosaic_interpret_params() if interpret else None,
     )(jnp.pad(x_MK, ((0, ROWS - m), (0, 0))), w_KN)
