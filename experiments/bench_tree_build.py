@@ -25,7 +25,8 @@ budget B (``--topk-cap``, default none, so K = B):
                   warps, candidates a count tile)
   beam_wide_in_loop
                 = the same by the wide build (`pallas_kernels.tree_build_wide`, the budgets it takes),
-                  with ``wide_equal``; ``--wide-variants r64,w8`` adds ``beam_wide_<variant>_in_loop``
+                  with ``wide_equal``, and ``wide_in_loop`` the ``full_in_loop`` build with it;
+                  ``--wide-variants r64,w8`` adds ``beam_wide_<variant>_in_loop``
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
 device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
@@ -140,7 +141,7 @@ def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=(), wide_v
         beam_in_loop_ms=beam_in_loop_ms(functools.partial(beam, budget=budget), drafts, roots, k, repeats),
         hbm_floor_ms=1e3 * draft_logits.size * draft_logits.dtype.itemsize / HBM_BYTES_PER_S,
         **kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, kernel_variants),
-        **wide_columns(drafts, lp_k, tok_k, roots, tree, budget, repeats, wide_variants),
+        **wide_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, wide_variants),
     )
 
 
@@ -191,14 +192,15 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
     return columns
 
 
-def wide_columns(drafts, lp_k, tok_k, roots, tree, budget, repeats, variants=()) -> dict:
-    """The wide build's columns of a row (none where it does not take the budget): the beam and order
+def wide_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, variants=()) -> dict:
+    """The wide build's columns of a row (none where it does not take the budget): the whole build
+    with it in a loop, ``wide_in_loop`` (``build_impl="pallas"``, as ``full_in_loop``), the beam and order
     alone in a loop, ``beam_wide_in_loop`` (`WideBuildConfig()`) and ``beam_wide_<v>_in_loop`` for each
     variant v, each with ``wide[_<v>]_equal``: whether its tree equals XLA's."""
     k = lp_k.shape[2]
     if not wide_supports(budget, k, lp_k.shape[1]):
         return {}
-    columns = {}
+    columns = dict(wide_in_loop_ms=in_loop_ms(drafts[0], roots, budget, topk_cap, KERNEL_IMPL, repeats))
     for name, config in [("wide", WideBuildConfig()), *((f"wide_{v}", parse_wide_variant(v)) for v in variants)]:
         run = functools.partial(beam_wide, budget=budget, config=config)
         got = run(lp_k, tok_k, roots)
@@ -294,6 +296,9 @@ def main(argv=None) -> int:
             kernel = row.get("beam_kernel_in_loop_ms")
             print(f"{'':>11} the beam in a loop: XLA {row['beam_in_loop_ms']:.3f} ms"
                   + ("" if kernel is None else f", kernel {kernel:.3f} ms"), flush=True)
+            if "wide_in_loop_ms" in row:
+                print(f"{'':>11} the whole build with the wide beam in a loop: {row['wide_in_loop_ms']:.3f} ms "
+                      f"(XLA's: {row['full_in_loop_ms']:.3f} ms)", flush=True)
             for name in ["wide", *(f"wide_{v}" for v in wide_variants)]:
                 if f"beam_{name}_in_loop_ms" in row:
                     print(f"{'':>11} the beam {name} in a loop: {row[f'beam_{name}_in_loop_ms']:.3f} ms, "

@@ -31,8 +31,9 @@ def test_bench_tree_build_tiny_rows(tmp_path):
         assert all(row[c] > 0 for c in bench_tree_build.COLUMNS if c not in kernel_columns)
         if row["budget"] == 24:  # the kernel (interpreted here, beams 32 wide) builds the same tree
             assert row["kernel_equal"] is True and all(row[c] > 0 for c in kernel_columns)
-        else:  # past the kernel's 64: no kernel
+        else:  # past the kernel's 64: no kernel, the wide build
             assert row["kernel_equal"] is None and all(math.isnan(row[c]) for c in kernel_columns)
+            assert row["wide_equal"] is True and row["wide_in_loop_ms"] > 0 and row["beam_wide_in_loop_ms"] > 0
         assert row["hbm_floor_ms"] == pytest.approx(1e3 * row["batch"] * 3 * 4096 * 4 / 4.8e12)
 
 
