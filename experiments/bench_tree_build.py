@@ -194,13 +194,16 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
 
 def wide_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, variants=()) -> dict:
     """The wide build's columns of a row (none where it does not take the budget): the whole build
-    with it in a loop, ``wide_in_loop`` (``build_impl="pallas"``, as ``full_in_loop``), the beam and order
+    with it in a loop, ``wide_in_loop`` (``build_impl="pallas"``, as ``full_in_loop``; where the
+    one-program kernel does not take the budget, as the library runs it), the beam and order
     alone in a loop, ``beam_wide_in_loop`` (`WideBuildConfig()`) and ``beam_wide_<v>_in_loop`` for each
     variant v, each with ``wide[_<v>]_equal``: whether its tree equals XLA's."""
     k = lp_k.shape[2]
     if not wide_supports(budget, k, lp_k.shape[1]):
         return {}
-    columns = dict(wide_in_loop_ms=in_loop_ms(drafts[0], roots, budget, topk_cap, KERNEL_IMPL, repeats))
+    columns = {}
+    if not kernel_supports(budget, k, lp_k.shape[1]):  # else the library's kernel build is the one-program kernel
+        columns["wide_in_loop_ms"] = in_loop_ms(drafts[0], roots, budget, topk_cap, KERNEL_IMPL, repeats)
     for name, config in [("wide", WideBuildConfig()), *((f"wide_{v}", parse_wide_variant(v)) for v in variants)]:
         run = functools.partial(beam_wide, budget=budget, config=config)
         got = run(lp_k, tok_k, roots)
