@@ -13,6 +13,9 @@ budget B (``--topk-cap``, default none, so K = B):
   beam          = the per-depth beam and the global order (`tree_from_top_k`, from the top-K)
   encodings     = attention mask + positions of a built tree
   lax_top_k     = plain ``lax.top_k(lp, K)`` over the vocabulary: what XLA gives for the top-k
+  top_k_kernel  = the top-K by the radix-selection kernel (`pallas_kernels.top_k`), with
+                  ``top_k_kernel_exact``; ``top_k_in_loop`` and ``top_k_kernel_in_loop`` the library's
+                  top-K and the kernel's per call of 20 in one jitted loop
   beam_kernel   = ``beam`` by the Pallas tree-build kernel (`pallas_kernels.tree_build`, budgets it
                   takes; interpreted off a GPU), and ``kernel_in_loop`` the ``full_in_loop`` build
                   with it (``build_impl="pallas"``, `kernels.tree_build_fn`); ``kernel_equal`` says
@@ -64,6 +67,7 @@ from ddtree_jax.tree import (  # noqa: E402
     tree_positions,
 )
 from experiments.common import median_ms  # noqa: E402
+from pallas_kernels.top_k import top_k as radix_top_k  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig, kernel_supports, tree_build_config, tree_nodes  # noqa: E402
 from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide  # noqa: E402
 from pallas_kernels.tree_build_wide import kernel_supports as wide_supports  # noqa: E402
@@ -88,6 +92,13 @@ full = jax.jit(build_and_encode, static_argnames=("budget", "topk_cap", "impl"))
 log_softmax = jax.jit(lambda logits: draft_log_probs(logits, jnp.float32(1.0)))
 vocab_top_k = jax.jit(selection.top_k, static_argnames=("k",))
 lax_top_k = jax.jit(jax.lax.top_k, static_argnames=("k",))
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def top_k_kernel(lp_BLV, *, k):
+    batch, depth, vocab = lp_BLV.shape
+    values, ids = radix_top_k(lp_BLV.reshape(batch * depth, vocab), k, interpret=KERNEL_IMPL == "interpret")
+    return values.reshape(batch, depth, k), ids.reshape(batch, depth, k)
 empty = jax.jit(lambda x: x + 1)
 
 
@@ -138,11 +149,29 @@ def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=(), wide_v
         beam_ms=median_ms(lambda: beam(lp_k, tok_k, roots, budget=budget), repeats),
         encodings_ms=median_ms(lambda: encodings(tree, roots), repeats),
         lax_top_k_ms=median_ms(lambda: lax_top_k(lp, k=k), repeats),
+        **top_k_columns(drafts, lp, lp_k, tok_k, k, repeats),
         beam_in_loop_ms=beam_in_loop_ms(functools.partial(beam, budget=budget), drafts, roots, k, repeats),
         hbm_floor_ms=1e3 * draft_logits.size * draft_logits.dtype.itemsize / HBM_BYTES_PER_S,
         **kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, kernel_variants),
         **wide_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, wide_variants),
     )
+
+
+def top_k_columns(drafts, lp, lp_k, tok_k, k, repeats) -> dict:
+    """The vocabulary top-K by the radix-selection kernel (`pallas_kernels.top_k`): ``top_k_kernel_ms``
+    a call, ``top_k_kernel_exact`` (equal to the library's), and both top-Ks per call of 20 in one jitted
+    loop (``top_k_in_loop``, ``top_k_kernel_in_loop``)."""
+    got_k, got_tok = top_k_kernel(lp, k=k)
+    lps = jnp.stack([log_softmax(d) for d in drafts])
+
+    def in_loop(fn):
+        def step(lps, i, acc):
+            return acc + checksum(fn(lps[i % 4], k=k))
+        return loop_ms(step, lps, jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS)
+
+    return dict(top_k_kernel_ms=median_ms(lambda: top_k_kernel(lp, k=k), repeats),
+                top_k_kernel_exact=bool(jnp.array_equal(got_k, lp_k) and jnp.array_equal(got_tok, tok_k)),
+                top_k_in_loop_ms=in_loop(selection.top_k), top_k_kernel_in_loop_ms=in_loop(top_k_kernel))
 
 
 def beam_in_loop_ms(beam_fn, drafts, roots, k, repeats) -> float:
@@ -296,6 +325,8 @@ def main(argv=None) -> int:
             cells = " ".join(f"{row[c]:>11.3f}" for c in COLUMNS)
             print(f"{batch:>5} {budget:>5} {row['plan']:>10} {cells} {row['hbm_floor_ms']:>10.4f}"
                   f"{'' if row['top_k_exact'] else '  TOP-K NOT EXACT'}", flush=True)
+            print(f"{'':>11} the top-K in a loop: XLA {row['top_k_in_loop_ms']:.3f} ms, radix kernel "
+                  f"{row['top_k_kernel_in_loop_ms']:.3f} ms, exact {row['top_k_kernel_exact']}", flush=True)
             kernel = row.get("beam_kernel_in_loop_ms")
             print(f"{'':>11} the beam in a loop: XLA {row['beam_in_loop_ms']:.3f} ms"
                   + ("" if kernel is None else f", kernel {kernel:.3f} ms"), flush=True)

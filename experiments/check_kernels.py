@@ -44,6 +44,10 @@ device, over shapes too large for the CPU.
   and depths whose top token has probability 1, so that entries of different depths tie), at budgets
   16 to 64 with the launch the library uses and with other chunks and warps, and the wide build
   (``pallas_kernels.tree_build_wide``) at budgets 128 to 512: identical nodes required.
+- ``top_k``: the radix-selection top-k (``pallas_kernels.top_k``) against ``lax.top_k``
+  (`top_k_reference`) over rows of 151,936 and 32,768 draft log-probabilities, ``k`` from 4 to 1,024,
+  one draft (15 rows) and eight (120), with duplicated values, ``-inf`` and ``-0.0``: identical values
+  and indices required.
 
     PYTHONPATH=. python experiments/check_kernels.py --out experiments/results --backends triton,mosaic
 """
@@ -86,6 +90,8 @@ from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import TreeBuildConfig, tree_build_config, tree_nodes
 from pallas_kernels.tree_build_reference import tree_nodes_reference
 from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide
+from pallas_kernels.top_k import TopKConfig, top_k
+from pallas_kernels.top_k_reference import top_k_reference
 from pallas_kernels.tree_sampling import SamplerConfig
 
 # (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
@@ -434,6 +440,39 @@ def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):
     return records
 
 
+# (rows, vocab, k, ties, launch)
+TOP_K_CASES = [(15, 151_936, 512, False, TopKConfig()), (15, 151_936, 4, False, TopKConfig()),
+               (15, 151_936, 64, True, TopKConfig()), (120, 151_936, 512, True, TopKConfig()),
+               (15, 151_936, 16, True, TopKConfig(block=2048, num_warps=16, segments=3)),
+               (1, 32_768, 1024, True, TopKConfig(block=256, num_warps=4))]
+
+
+def check_top_k(interpret=False, cases=TOP_K_CASES):
+    """The top-k kernel (interpreted or not) against `top_k_reference` on draft log-probabilities:
+    identical values (signs of zeros included) and indices."""
+    records = []
+    for seed, (rows, vocab, k, ties, config) in enumerate(cases):
+        rng = np.random.default_rng(seed)
+        logits = rng.normal(size=(1, rows, vocab)).astype(np.float32) * 3
+        if ties:  # duplicated values, -inf and -0.0 entries
+            logits = np.round(logits)
+            logits[0, :, ::7] = -np.inf
+        x = tree.draft_log_probs(jnp.asarray(logits), 1.0)[0]
+        if ties:
+            x = x.at[:, 3::11].set(-0.0).at[:, 5::11].set(0.0)
+        record = dict(part="top_k", rows=rows, vocab=vocab, k=k, ties=ties, config=dataclasses.asdict(config))
+
+        def check(x=x, k=k, config=config):
+            got = top_k(x, k, config=config, interpret=interpret)
+            want = jax.jit(top_k_reference, static_argnums=1)(x, k)
+            same = (bool(jnp.array_equal(got[1], want[1])) and bool(jnp.array_equal(got[0], want[0]))
+                    and bool(jnp.array_equal(jnp.signbit(got[0]), jnp.signbit(want[0]))))
+            return dict(identical_to_reference=same, ok=same)
+
+        records.append(_run_case(record, check))
+    return records
+
+
 def _run_case(record, check):
     """``record`` updated with ``check()`` (a dict with ``ok``) or with the error it raised; timed and
     printed."""
@@ -518,7 +557,7 @@ def _check_attention_backend(record, args, scale, ref, backend):
 
 BACKENDS = ("triton", "triton_by_length", "mosaic")
 PARTS = ("attention", "sampling", "matmul", "matmul_auto", "matmul_mosaic", "forward_auto", "drafter_auto", "rope",
-         "rope_write", "kv_write", "tree_build")
+         "rope_write", "kv_write", "tree_build", "top_k")
 
 
 def main(argv=None):
@@ -535,7 +574,7 @@ def main(argv=None):
                   matmul_auto=functools.partial(check_matmul, impl="auto"), matmul_mosaic=check_matmul_mosaic,
                   forward_auto=check_forward,
                   drafter_auto=check_drafter, rope=check_rope, rope_write=check_rope_write, kv_write=check_kv_write,
-                  tree_build=check_tree_build)
+                  tree_build=check_tree_build, top_k=check_top_k)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)
