@@ -71,8 +71,6 @@ from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
 from pallas_kernels.qk_norm_rope import kernel_supports as qk_norm_rope_supports
 from pallas_kernels.qk_norm_rope_reference import check_queries, qk_norm_rope_reference
-from pallas_kernels.top_k import MAX_K as TOP_K_MAX_K
-from pallas_kernels.top_k import top_k as radix_top_k
 from pallas_kernels.tree_attention import kernel_supports, tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import kernel_supports as tree_build_supports
@@ -275,10 +273,9 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
     for every implementation. The kernel (`pallas_kernels.tree_build`, one program per request, the
     launch of `tree_build.tree_build_config`) does the beam and the global order of the shapes it takes
     (`tree_build.kernel_supports`, decided when traced), and the wide build those of larger budgets
-    (`tree_build_wide.kernel_supports`; under ``auto`` for a batch of one request only). The vocabulary
-    top-k before them is the radix-selection kernel (`pallas_kernels.top_k`) under ``pallas`` and
-    ``interpret``, the library's staged top-k (`selection.top_k`) under ``auto``. Under a mesh the XLA
-    path runs (the kernels are not wrapped in ``shard_map``)."""
+    (`tree_build_wide.kernel_supports`; under ``auto`` for a batch of one request only); the vocabulary
+    top-k before them is XLA's. Under a mesh the XLA path runs (the kernels are not wrapped in
+    ``shard_map``)."""
     impl = check_impl("build_impl", impl)
     if _reference_only(impl, mesh):
         return tree_lib.build_tree_unchecked
@@ -293,13 +290,7 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
         else:
             return tree_lib.build_tree_unchecked(draft_logits_BLV, root_B, draft_temperature, budget=budget,
                                                  topk_cap=topk_cap)
-        if impl != "auto" and k <= TOP_K_MAX_K:
-            lp_BLV = tree_lib.draft_log_probs(draft_logits_BLV, draft_temperature)
-            batch = lp_BLV.shape[0]
-            lp_NK, tok_NK = radix_top_k(lp_BLV.reshape(batch * depth, vocab), k, interpret=impl == "interpret")
-            lp_BLK, tok_BLK = lp_NK.reshape(batch, depth, k), tok_NK.reshape(batch, depth, k)
-        else:
-            lp_BLK, tok_BLK = tree_lib.draft_top_k(draft_logits_BLV, draft_temperature, k)
+        lp_BLK, tok_BLK = tree_lib.draft_top_k(draft_logits_BLV, draft_temperature, k)
         nodes = nodes_fn(lp_BLK, tok_BLK, budget=budget, interpret=impl == "interpret")
         return tree_lib.tree_from_nodes(root_B, *nodes, max_depth=depth)
 

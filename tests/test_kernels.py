@@ -7,7 +7,6 @@ import pytest
 
 from ddtree_jax import kernels
 from pallas_kernels import configs
-from pallas_kernels.top_k_reference import top_k_reference
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from test_pallas_tree_attention import make_inputs
 
@@ -240,13 +239,6 @@ def test_tree_build_dispatch(monkeypatch):
 
     monkeypatch.setattr(kernels, "tree_nodes", fake(calls))
     monkeypatch.setattr(kernels, "tree_nodes_wide", fake(wide_calls))
-    top_k_calls = []
-
-    def fake_top_k(x_NV, k, *, interpret):
-        top_k_calls.append((x_NV.shape, k, interpret))
-        return top_k_reference(x_NV, k)
-
-    monkeypatch.setattr(kernels, "radix_top_k", fake_top_k)
     logits, roots = _draft_logits()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
@@ -265,6 +257,3 @@ def test_tree_build_dispatch(monkeypatch):
     assert wide_calls[-1] == (512, 40, False) and len(calls) == 1
     pallas(logits, roots, 1.0, budget=15, topk_cap=4)
     assert calls[-1] == (15, 4, False)
-    # the vocabulary top-k: the radix kernel under pallas (over the batch's draft rows), XLA's under auto
-    batch, depth, vocab = logits.shape
-    assert top_k_calls == [((batch * depth, vocab), 4, False), ((batch * depth, vocab), 4, False)]
