@@ -34,16 +34,16 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========
 
-The tree build (``build_impl``): its beam and global order are the tree-build kernel, one program per
-request, on a supported GPU without a mesh for the budgets the kernel takes (2 to 64, each built at the
-next power of two; 16 is the CLI's default), XLA's ops elsewhere (``ddtree_jax.tree``). On an H100 at
-K = 4 the kernel's beam and order took 0.040 / 0.054 / 0.086 ms against XLA's 0.102 / 0.122 / 0.125 at
-B = 16 / 32 / 64 (batch 1; BENCHMARKS.md). ``pallas`` and ``auto`` run it alike, with
-`tree_build.tree_build_config`'s launch. Larger budgets (to 1,024 uncapped) are the wide build
-(`pallas_kernels.tree_build_wide`, a launch a depth over many programs a request) under ``pallas``, and
-under ``auto`` for one request: on an H100 at batch 1 its beam and order took 0.245 ms against XLA's
-0.87 at B = 512 (K = 512) and 0.145 against 0.210 at B = 128 with an earlier launch; batches of
-several requests keep XLA's ops under ``auto`` (not timed yet).
+The tree build (``build_impl``): its beam and global order are Pallas kernels on a supported GPU
+without a mesh, XLA's ops elsewhere (``ddtree_jax.tree``). Up to budget 32 (`ONE_PROGRAM_BUILD_MAX_BUDGET`;
+16 is the CLI's default) the one-program kernel (`pallas_kernels.tree_build`, each budget built at the
+next power of two); from 33 to 1,024 (uncapped) the wide build (`pallas_kernels.tree_build_wide`, a launch
+a depth over many programs a request). On an H100 at batch 1 and K = 4 the beam and order took 0.037 /
+0.053 ms by the one-program kernel at B = 16 / 32 (XLA's 0.109 / 0.117), and 0.068 / 0.076 ms by the wide
+build at B = 64 / 128 (the one-program kernel 0.095 at 64; XLA's 0.129 / 0.128); uncapped at B = 512,
+0.245–0.266 ms against XLA's 0.87–0.92 (BENCHMARKS.md). ``pallas`` runs them so; ``auto`` does for one
+request, and for batches of several keeps the one-program kernel up to its budget 64 and XLA's ops
+beyond (the wide build at batch 8 is checked, not timed).
 
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
@@ -267,15 +267,22 @@ def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None
     return fused
 
 
+# The one-program tree-build kernel builds budgets up to this where the wide build may run; larger ones the
+# wide build. On an H100 at batch 1 and K = 4 their beam and order took 0.037 / 0.053 / 0.095 ms and
+# 0.059 / 0.065 / 0.068 ms at B = 16 / 32 / 64 (XLA's 0.109 / 0.117 / 0.129; BENCHMARKS.md).
+ONE_PROGRAM_BUILD_MAX_BUDGET = 32
+
+
 def tree_build_fn(impl: str, mesh: Mesh | None = None):
     """Step 2 of a round for ``impl`` (see the module docstring): ``fn(draft_logits_BLV, root_B,
     draft_temperature, *, budget, topk_cap) -> DraftTree``, the tree of `tree.build_tree_unchecked`
     for every implementation. The kernel (`pallas_kernels.tree_build`, one program per request, the
-    launch of `tree_build.tree_build_config`) does the beam and the global order of the shapes it takes
-    (`tree_build.kernel_supports`, decided when traced), and the wide build those of larger budgets
-    (`tree_build_wide.kernel_supports`; under ``auto`` for a batch of one request only); the vocabulary
-    top-k before them is XLA's. Under a mesh the XLA path runs (the kernels are not wrapped in
-    ``shard_map``)."""
+    launch of `tree_build.tree_build_config`) does the beam and the global order up to budget
+    `ONE_PROGRAM_BUILD_MAX_BUDGET`, and the wide build (`pallas_kernels.tree_build_wide`) those of larger
+    budgets it takes (`tree_build_wide.kernel_supports`); under ``auto`` the wide build runs for a batch
+    of one request only, and a batch of several keeps the one-program kernel up to its budget 64 and XLA's
+    ops beyond (shapes decided when traced). The vocabulary top-k before them is XLA's. Under a mesh the
+    XLA path runs (the kernels are not wrapped in ``shard_map``)."""
     impl = check_impl("build_impl", impl)
     if _reference_only(impl, mesh):
         return tree_lib.build_tree_unchecked
@@ -283,9 +290,11 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
     def build(draft_logits_BLV, root_B, draft_temperature, *, budget, topk_cap):
         depth, vocab = draft_logits_BLV.shape[1:]
         k = tree_lib.top_k_width(budget, topk_cap, vocab)
-        if tree_build_supports(budget, k, depth):
+        one_program = tree_build_supports(budget, k, depth)
+        wide = wide_build_supports(budget, k, depth) and (impl != "auto" or draft_logits_BLV.shape[0] == 1)
+        if one_program and (budget <= ONE_PROGRAM_BUILD_MAX_BUDGET or not wide):
             nodes_fn = tree_nodes
-        elif wide_build_supports(budget, k, depth) and (impl != "auto" or draft_logits_BLV.shape[0] == 1):
+        elif wide:
             nodes_fn = tree_nodes_wide
         else:
             return tree_lib.build_tree_unchecked(draft_logits_BLV, root_B, draft_temperature, budget=budget,

@@ -215,9 +215,9 @@ def test_interpreted_tree_build_equals_the_xla_build(budget, topk_cap):
 
 
 def test_tree_build_dispatch(monkeypatch):
-    """XLA off a GPU, for ``xla`` and under a mesh; the kernel for ``interpret``/``pallas``, and for
-    ``auto`` on a GPU, where it takes the budget (2 to 64); beyond, the wide build for ``pallas``, and for
-    ``auto`` at batch 1 only (XLA for batches of several requests)."""
+    """XLA off a GPU, for ``xla`` and under a mesh; on a GPU the one-program kernel up to budget 32 and
+    the wide build beyond, for ``interpret``/``pallas``, and for ``auto`` at batch 1; ``auto`` for batches
+    of several requests: the one-program kernel up to its budget 64, XLA beyond."""
     from ddtree_jax.sharding import make_mesh
     from ddtree_jax.tree import build_tree_unchecked
     assert kernels.tree_build_fn("auto") is build_tree_unchecked
@@ -257,3 +257,9 @@ def test_tree_build_dispatch(monkeypatch):
     assert wide_calls[-1] == (512, 40, False) and len(calls) == 1
     pallas(logits, roots, 1.0, budget=15, topk_cap=4)
     assert calls[-1] == (15, 4, False)
+    for build in (auto, pallas):  # budget 32: the one-program kernel at any batch
+        build(logits[:1], roots[:1], 1.0, budget=32, topk_cap=4)
+    assert calls[-2:] == [(32, 4, False)] * 2 and len(wide_calls) == 2
+    auto(logits[:1], roots[:1], 1.0, budget=33, topk_cap=4)  # one request past 32: the wide build
+    pallas(logits, roots, 1.0, budget=64, topk_cap=4)  # pallas: the wide build at any batch
+    assert wide_calls[-2:] == [(33, 4, False), (64, 4, False)] and len(calls) == 4
