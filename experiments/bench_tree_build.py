@@ -15,7 +15,8 @@ budget B (``--topk-cap``, default none, so K = B):
   lax_top_k     = plain ``lax.top_k(lp, K)`` over the vocabulary: what XLA gives for the top-k
   top_k_kernel  = the top-K by the radix-selection kernel (`pallas_kernels.top_k`), with
                   ``top_k_kernel_exact``; ``top_k_in_loop`` and ``top_k_kernel_in_loop`` the library's
-                  top-K and the kernel's per call of 20 in one jitted loop
+                  top-K and the kernel's per call of 20 in one jitted loop; ``--top-k-variants s64``
+                  adds ``top_k_kernel_<variant>_in_loop`` (and ``_exact``), other launches of the kernel
   beam_kernel   = ``beam`` by the Pallas tree-build kernel (`pallas_kernels.tree_build`, budgets it
                   takes; interpreted off a GPU), and ``kernel_in_loop`` the ``full_in_loop`` build
                   with it (``build_impl="pallas"``, `kernels.tree_build_fn`); ``kernel_equal`` says
@@ -67,6 +68,7 @@ from ddtree_jax.tree import (  # noqa: E402
     tree_positions,
 )
 from experiments.common import median_ms  # noqa: E402
+from pallas_kernels.top_k import TopKConfig  # noqa: E402
 from pallas_kernels.top_k import top_k as radix_top_k  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig, kernel_supports, tree_build_config, tree_nodes  # noqa: E402
 from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide  # noqa: E402
@@ -94,10 +96,11 @@ vocab_top_k = jax.jit(selection.top_k, static_argnames=("k",))
 lax_top_k = jax.jit(jax.lax.top_k, static_argnames=("k",))
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def top_k_kernel(lp_BLV, *, k):
+@functools.partial(jax.jit, static_argnames=("k", "config"))
+def top_k_kernel(lp_BLV, *, k, config=None):
     batch, depth, vocab = lp_BLV.shape
-    values, ids = radix_top_k(lp_BLV.reshape(batch * depth, vocab), k, interpret=KERNEL_IMPL == "interpret")
+    values, ids = radix_top_k(lp_BLV.reshape(batch * depth, vocab), k, config=config,
+                              interpret=KERNEL_IMPL == "interpret")
     return values.reshape(batch, depth, k), ids.reshape(batch, depth, k)
 empty = jax.jit(lambda x: x + 1)
 
@@ -125,10 +128,10 @@ def encodings(tree, roots):
     return tree_attention_mask(tree), tree_positions(tree, jnp.zeros_like(roots))
 
 
-def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=(), wide_variants=()) -> dict:
+def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=(), wide_variants=(), top_k_variants=()) -> dict:
     """Every column of one (batch, budget) row, in ms (``topk_cap``: None or the per-depth cap;
-    ``kernel_variants``, ``wide_variants``: the kernels' other launches to time, `parse_variant` and
-    `parse_wide_variant` names)."""
+    ``kernel_variants``, ``wide_variants``, ``top_k_variants``: the kernels' other launches to time,
+    `parse_variant`, `parse_wide_variant` and `parse_top_k_variant` names)."""
     drafts = jnp.stack([draft_logits, draft_logits[:, ::-1], -draft_logits, draft_logits[:, :, ::-1]])
     batch, depth, vocab = draft_logits.shape
     k = top_k_width(budget, topk_cap, vocab)
@@ -149,7 +152,7 @@ def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=(), wide_v
         beam_ms=median_ms(lambda: beam(lp_k, tok_k, roots, budget=budget), repeats),
         encodings_ms=median_ms(lambda: encodings(tree, roots), repeats),
         lax_top_k_ms=median_ms(lambda: lax_top_k(lp, k=k), repeats),
-        **top_k_columns(drafts, lp, lp_k, tok_k, k, repeats),
+        **top_k_columns(drafts, lp, lp_k, tok_k, k, repeats, top_k_variants),
         beam_in_loop_ms=beam_in_loop_ms(functools.partial(beam, budget=budget), drafts, roots, k, repeats),
         hbm_floor_ms=1e3 * draft_logits.size * draft_logits.dtype.itemsize / HBM_BYTES_PER_S,
         **kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, kernel_variants),
@@ -157,11 +160,11 @@ def time_row(draft_logits, budget, topk_cap, repeats, kernel_variants=(), wide_v
     )
 
 
-def top_k_columns(drafts, lp, lp_k, tok_k, k, repeats) -> dict:
+def top_k_columns(drafts, lp, lp_k, tok_k, k, repeats, variants=()) -> dict:
     """The vocabulary top-K by the radix-selection kernel (`pallas_kernels.top_k`): ``top_k_kernel_ms``
     a call, ``top_k_kernel_exact`` (equal to the library's), and both top-Ks per call of 20 in one jitted
-    loop (``top_k_in_loop``, ``top_k_kernel_in_loop``)."""
-    got_k, got_tok = top_k_kernel(lp, k=k)
+    loop (``top_k_in_loop``, ``top_k_kernel_in_loop``); for each launch v of ``variants``
+    (`parse_top_k_variant` names) ``top_k_kernel_<v>_in_loop`` and ``top_k_kernel_<v>_exact``."""
     lps = jnp.stack([log_softmax(d) for d in drafts])
 
     def in_loop(fn):
@@ -169,9 +172,17 @@ def top_k_columns(drafts, lp, lp_k, tok_k, k, repeats) -> dict:
             return acc + checksum(fn(lps[i % 4], k=k))
         return loop_ms(step, lps, jnp.float32(0), max(3, repeats // 4), steps=LOOP_STEPS)
 
-    return dict(top_k_kernel_ms=median_ms(lambda: top_k_kernel(lp, k=k), repeats),
-                top_k_kernel_exact=bool(jnp.array_equal(got_k, lp_k) and jnp.array_equal(got_tok, tok_k)),
-                top_k_in_loop_ms=in_loop(selection.top_k), top_k_kernel_in_loop_ms=in_loop(top_k_kernel))
+    def exact(config):
+        got_k, got_tok = top_k_kernel(lp, k=k, config=config)
+        return bool(jnp.array_equal(got_k, lp_k) and jnp.array_equal(got_tok, tok_k))
+
+    columns = dict(top_k_kernel_ms=median_ms(lambda: top_k_kernel(lp, k=k), repeats), top_k_kernel_exact=exact(None),
+                   top_k_in_loop_ms=in_loop(selection.top_k), top_k_kernel_in_loop_ms=in_loop(top_k_kernel))
+    for name in variants:
+        config = parse_top_k_variant(name)
+        columns[f"top_k_kernel_{name}_exact"] = exact(config)
+        columns[f"top_k_kernel_{name}_in_loop_ms"] = in_loop(functools.partial(top_k_kernel, config=config))
+    return columns
 
 
 def beam_in_loop_ms(beam_fn, drafts, roots, k, repeats) -> float:
@@ -254,6 +265,18 @@ def parse_wide_variant(name: str) -> WideBuildConfig:
     return WideBuildConfig(rows=rows, cols=cols, entries=entries, num_warps=warps)
 
 
+def parse_top_k_variant(name: str) -> TopKConfig:
+    """A top-k launch from its name: ``b<block>``, ``w<warps>``, ``s<segments>`` in that order, each
+    optional (default `TopKConfig`'s): ``s64``, ``b512w4s32``."""
+    match = re.fullmatch(r"(?:b(\d+))?(?:w(\d+))?(?:s(\d+))?", name)
+    if not name or match is None:
+        raise ValueError(f"a top-k variant is b<block>w<warps>s<segments> in that order, got {name!r}")
+    default = TopKConfig()
+    block, warps, segments = (int(v) if v else d for v, d in zip(
+        match.groups(), (default.block, default.num_warps, default.segments)))
+    return TopKConfig(block=block, num_warps=warps, segments=segments)
+
+
 def parse_variant(name: str) -> TreeBuildConfig:
     """A tree-build launch from its name: ``w<warps>`` and ``c<candidates a count tile>`` (``c0``: one
     tile), in that order, each optional (default `TreeBuildConfig`'s): ``w16``, ``c0``, ``w4c16``."""
@@ -281,14 +304,19 @@ def main(argv=None) -> int:
                     help="comma-separated launches of the wide build (budgets past the one-program kernel's) to "
                          "time besides its default: r<rows>c<cols>e<entries>w<warps> (each part optional), e.g. "
                          "r64,r16w8")
+    ap.add_argument("--top-k-variants", default="",
+                    help="comma-separated launches of the radix-selection top-k to time besides its default: "
+                         "b<block>w<warps>s<segments> (each part optional), e.g. s64,b512w4s32")
     ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)
     budgets, batches = args.budgets, args.batches
     kernel_variants = [v for v in args.kernel_variants.split(",") if v]
     wide_variants = [v for v in args.wide_variants.split(",") if v]
+    top_k_variants = [v for v in args.top_k_variants.split(",") if v]
     for flag, names, parse in (("kernel-variants", kernel_variants, parse_variant),
-                               ("wide-variants", wide_variants, parse_wide_variant)):
+                               ("wide-variants", wide_variants, parse_wide_variant),
+                               ("top-k-variants", top_k_variants, parse_top_k_variant)):
         for name in names:
             try:
                 parse(name)
@@ -312,7 +340,8 @@ def main(argv=None) -> int:
     for batch in batches:
         draft = jax.random.normal(jax.random.key(batch), (batch, args.depth, args.vocab), jnp.float32) * 3
         for budget in budgets:
-            row = time_row(draft, budget, args.topk_cap or None, args.repeats, kernel_variants, wide_variants)
+            row = time_row(draft, budget, args.topk_cap or None, args.repeats, kernel_variants, wide_variants,
+                           top_k_variants)
             if args.profile:
                 try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
                     run = functools.partial(full, draft, jnp.zeros((batch,), jnp.int32), budget=budget,
@@ -327,6 +356,9 @@ def main(argv=None) -> int:
                   f"{'' if row['top_k_exact'] else '  TOP-K NOT EXACT'}", flush=True)
             print(f"{'':>11} the top-K in a loop: XLA {row['top_k_in_loop_ms']:.3f} ms, radix kernel "
                   f"{row['top_k_kernel_in_loop_ms']:.3f} ms, exact {row['top_k_kernel_exact']}", flush=True)
+            for v in top_k_variants:
+                print(f"{'':>11} the radix top-K {v} in a loop: {row[f'top_k_kernel_{v}_in_loop_ms']:.3f} ms, "
+                      f"exact {row[f'top_k_kernel_{v}_exact']}", flush=True)
             kernel = row.get("beam_kernel_in_loop_ms")
             print(f"{'':>11} the beam in a loop: XLA {row['beam_in_loop_ms']:.3f} ms"
                   + ("" if kernel is None else f", kernel {kernel:.3f} ms"), flush=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pallas_kernels.top_k import TopKConfig
 from pallas_kernels.tree_build import TreeBuildConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +36,7 @@ def test_bench_tree_build_tiny_rows(tmp_path):
             assert row["kernel_equal"] is None and all(math.isnan(row[c]) for c in kernel_columns)
             assert row["wide_equal"] is True and row["wide_in_loop_ms"] > 0 and row["beam_wide_in_loop_ms"] > 0
         assert row["hbm_floor_ms"] == pytest.approx(1e3 * row["batch"] * 3 * 4096 * 4 / 4.8e12)
+        assert row["top_k_kernel_exact"] is True and row["top_k_kernel_in_loop_ms"] > 0 and row["top_k_in_loop_ms"] > 0
 
 
 def test_bench_tree_build_rejects_bad_flags(tmp_path):
@@ -74,3 +76,19 @@ def test_bench_tree_build_kernel_variants(tmp_path):
                          ("c32s", "w<warps> and c<chunk>"), ("c12", "chunk must be")]:
         with pytest.raises(ValueError, match=f"--kernel-variants: .*{message}"):
             bench_tree_build.main(["--kernel-variants", bad, "--out", str(tmp_path / "x.json")])
+
+
+def test_bench_tree_build_top_k_variants(tmp_path):
+    """``--top-k-variants`` times the radix top-k with other launches; each selects the same top-K."""
+    out = tmp_path / "tree_build.json"
+    argv = ["--vocab", "3000", "--depth", "2", "--budgets", "8", "--batches", "1", "--repeats", "1",
+            "--top-k-variants", "s4,b128w2s2", "--out", str(out)]
+    assert bench_tree_build.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    for v in ("s4", "b128w2s2"):
+        assert row[f"top_k_kernel_{v}_exact"] is True and row[f"top_k_kernel_{v}_in_loop_ms"] > 0
+    assert bench_tree_build.parse_top_k_variant("b512w4s32") == TopKConfig(block=512, num_warps=4, segments=32)
+    assert bench_tree_build.parse_top_k_variant("s8") == TopKConfig(segments=8)
+    for bad, message in [("s8b512", "b<block>w<warps>s<segments> in that order"), ("b100", "block must be")]:
+        with pytest.raises(ValueError, match=f"--top-k-variants: .*{message}"):
+            bench_tree_build.main(["--top-k-variants", bad, "--out", str(tmp_path / "x.json")])
