@@ -253,40 +253,33 @@ def wide_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, va
     return columns
 
 
-def parse_wide_variant(name: str) -> WideBuildConfig:
-    """A wide-build launch from its name: ``r<rows>``, ``c<cols>``, ``e<entries>``, ``w<warps>`` in that
-    order, each optional (default `WideBuildConfig`'s): ``r64``, ``r16c256w8``."""
-    match = re.fullmatch(r"(?:r(\d+))?(?:c(\d+))?(?:e(\d+))?(?:w(\d+))?", name)
+def parse_launch(name: str, config_type, fields: tuple[tuple[str, str], ...], kind: str):
+    """A ``config_type`` launch from its name: ``<letter><int>`` for each ``(letter, field)`` of ``fields``,
+    in that order, each optional (the default config's value where left out)."""
+    match = re.fullmatch("".join(rf"(?:{letter}(\d+))?" for letter, _ in fields), name)
     if not name or match is None:
-        raise ValueError(f"a wide variant is r<rows>c<cols>e<entries>w<warps> in that order, got {name!r}")
-    default = WideBuildConfig()
-    rows, cols, entries, warps = (int(v) if v else d for v, d in zip(
-        match.groups(), (default.rows, default.cols, default.entries, default.num_warps)))
-    return WideBuildConfig(rows=rows, cols=cols, entries=entries, num_warps=warps)
+        form = "".join(f"{letter}<{field}>" for letter, field in fields)
+        raise ValueError(f"a {kind} variant is {form} in that order, got {name!r}")
+    default = config_type()
+    return config_type(**{field: getattr(default, field) if value is None else int(value)
+                          for (_, field), value in zip(fields, match.groups())})
+
+
+def parse_wide_variant(name: str) -> WideBuildConfig:
+    """A wide-build launch: ``r<rows>c<cols>e<entries>w<warps>``, e.g. ``r64``, ``r16c256w8``."""
+    return parse_launch(name, WideBuildConfig, (("r", "rows"), ("c", "cols"), ("e", "entries"), ("w", "num_warps")),
+                        "wide")
 
 
 def parse_top_k_variant(name: str) -> TopKConfig:
-    """A top-k launch from its name: ``b<block>``, ``w<warps>``, ``s<segments>`` in that order, each
-    optional (default `TopKConfig`'s): ``s64``, ``b512w4s32``."""
-    match = re.fullmatch(r"(?:b(\d+))?(?:w(\d+))?(?:s(\d+))?", name)
-    if not name or match is None:
-        raise ValueError(f"a top-k variant is b<block>w<warps>s<segments> in that order, got {name!r}")
-    default = TopKConfig()
-    block, warps, segments = (int(v) if v else d for v, d in zip(
-        match.groups(), (default.block, default.num_warps, default.segments)))
-    return TopKConfig(block=block, num_warps=warps, segments=segments)
+    """A radix top-k launch: ``b<block>w<warps>s<segments>``, e.g. ``s64``, ``b512w4s32``."""
+    return parse_launch(name, TopKConfig, (("b", "block"), ("w", "num_warps"), ("s", "segments")), "top-k")
 
 
 def parse_variant(name: str) -> TreeBuildConfig:
-    """A tree-build launch from its name: ``w<warps>`` and ``c<candidates a count tile>`` (``c0``: one
-    tile), in that order, each optional (default `TreeBuildConfig`'s): ``w16``, ``c0``, ``w4c16``."""
-    match = re.fullmatch(r"(?:w(\d+))?(?:c(\d+))?", name)
-    if not name or match is None:
-        raise ValueError(f"a kernel variant is w<warps> and c<chunk> in that order, got {name!r}")
-    warps, chunk = match.groups()
-    default = TreeBuildConfig()
-    return TreeBuildConfig(num_warps=int(warps or default.num_warps),
-                           chunk=default.chunk if chunk is None else int(chunk))
+    """A one-program tree-build launch: ``w<warps>c<chunk>`` (``c0``: one count tile), e.g. ``w16``,
+    ``c0``, ``w4c16``."""
+    return parse_launch(name, TreeBuildConfig, (("w", "num_warps"), ("c", "chunk")), "kernel")
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels.top_k import TopKConfig
 from pallas_kernels.tree_build import TreeBuildConfig
+from pallas_kernels.tree_build_wide import WideBuildConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -72,8 +73,8 @@ def test_bench_tree_build_kernel_variants(tmp_path):
     assert bench_tree_build.parse_variant("w16c64") == TreeBuildConfig(num_warps=16, chunk=64)
     assert bench_tree_build.parse_variant("c0") == TreeBuildConfig(chunk=0)
     assert bench_tree_build.parse_variant("w4") == TreeBuildConfig(num_warps=4, chunk=TreeBuildConfig().chunk)
-    for bad, message in [("w3", "num_warps must be"), ("c32w16", "w<warps> and c<chunk> in that order"),
-                         ("c32s", "w<warps> and c<chunk>"), ("c12", "chunk must be")]:
+    for bad, message in [("w3", "num_warps must be"), ("c32w16", "w<num_warps>c<chunk> in that order"),
+                         ("c32s", "w<num_warps>c<chunk>"), ("c12", "chunk must be")]:
         with pytest.raises(ValueError, match=f"--kernel-variants: .*{message}"):
             bench_tree_build.main(["--kernel-variants", bad, "--out", str(tmp_path / "x.json")])
 
@@ -89,6 +90,9 @@ def test_bench_tree_build_top_k_variants(tmp_path):
         assert row[f"top_k_kernel_{v}_exact"] is True and row[f"top_k_kernel_{v}_in_loop_ms"] > 0
     assert bench_tree_build.parse_top_k_variant("b512w4s32") == TopKConfig(block=512, num_warps=4, segments=32)
     assert bench_tree_build.parse_top_k_variant("s8") == TopKConfig(segments=8)
-    for bad, message in [("s8b512", "b<block>w<warps>s<segments> in that order"), ("b100", "block must be")]:
+    assert bench_tree_build.parse_wide_variant("r16c256w8") == WideBuildConfig(rows=16, cols=256, num_warps=8)
+    with pytest.raises(ValueError, match="--wide-variants: a wide variant is r<rows>c<cols>e<entries>w<num_warps>"):
+        bench_tree_build.main(["--wide-variants", "w8r16", "--out", str(tmp_path / "x.json")])
+    for bad, message in [("s8b512", "b<block>w<num_warps>s<segments> in that order"), ("b100", "block must be")]:
         with pytest.raises(ValueError, match=f"--top-k-variants: .*{message}"):
             bench_tree_build.main(["--top-k-variants", bad, "--out", str(tmp_path / "x.json")])
