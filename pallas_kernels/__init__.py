@@ -16,6 +16,8 @@
 - ``tree_nodes`` (``tree_build``): the DDTree beam and best-first order of each request in one
   program, from each depth's top-k; reference ``tree_nodes_reference``. ``tree_nodes_wide``
   (``tree_build_wide``): the same for large budgets, a launch of many programs a depth.
+- ``top_k``: the exact top-k of long rows (the draft's vocabulary) by radix selection; reference
+  ``top_k_reference`` (``lax.top_k``).
 
 This package imports nothing from ``ddtree_jax``: the library's dispatch module
 (``ddtree_jax/kernels.py``) decides which implementation runs where and wraps the results.
@@ -29,6 +31,8 @@ from pallas_kernels.matmul_mgpu import matmul_mgpu
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, qk_norm_rope_write_reference
+from pallas_kernels.top_k import top_k
+from pallas_kernels.top_k_reference import top_k_reference
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import tree_nodes
@@ -38,5 +42,6 @@ from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample
 
 __all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "kv_write", "kv_write_reference", "matmul",
            "matmul_mgpu", "matmul_reference", "qk_norm_rope", "qk_norm_rope_reference", "qk_norm_rope_write",
-           "qk_norm_rope_write_reference", "tree_attention", "tree_attention_config", "tree_attention_reference",
-           "tree_nodes", "tree_nodes_reference", "tree_nodes_wide", "tree_sample", "tree_sample_reference"]
+           "qk_norm_rope_write_reference", "top_k", "top_k_reference", "tree_attention", "tree_attention_config",
+           "tree_attention_reference", "tree_nodes", "tree_nodes_reference", "tree_nodes_wide", "tree_sample",
+           "tree_sample_reference"]
