@@ -8,7 +8,7 @@ library's staged top-k (`ddtree_jax.selection`) is many small XLA kernels. Here:
 - **selection** (launch 1, program ``(row, s)``): segment ``s`` of the row finds the key of its
   ``need``-th largest valid entry digit by digit: eight passes over the segment, each a 16-bin
   histogram of the next digit among the entries whose higher digits match the prefix found so far
-  (one-hot counts kept per lane across the segment's blocks, summed once a pass). A last pass stores
+  (sixteen counters a lane, one a bin, kept across the segment's blocks and summed once a pass). A last pass stores
   every entry above that key and the first entries equal to it, in index order, ``need`` in all
   (``min(k, valid entries of the segment)``), into the segment's slots; the other lanes of a store go
   to one spare slot, so no kept lane shares its slot;
@@ -165,24 +165,23 @@ def _select_kernel(x_ref, ids_ref, val_out, id_out, *, k, block, vocab, size, me
         need = jnp.int32(k)
     else:
         need = jnp.minimum(k, jnp.clip(vocab - s * size, 0, size)).astype(jnp.int32)
-    bins = jax.lax.broadcasted_iota(jnp.int32, (BINS,), 0)
 
     def digit_pass(p, carry):
         prefix, remaining = carry
         shift = 32 - DIGIT_BITS * (p + 1)
         high = jnp.where(p == 0, 0, jnp.int32(-1) << (shift + DIGIT_BITS))  # the digits above this one
 
-        def count(b, counts_XB):
+        def count(b, counts):  # a counter a bin and lane: elementwise in the loaded layout, no 2-D tile
             _, key, _, valid = entries(b)
             u = key ^ _SIGN
-            match = valid & ((u & high) == prefix)
-            digit = (u >> shift) & (BINS - 1)
-            return counts_XB + ((digit[:, None] == bins[None, :]) & match[:, None]).astype(jnp.int32)
+            digit = jnp.where(valid & ((u & high) == prefix), (u >> shift) & (BINS - 1), BINS)  # BINS: no bin
+            return tuple(c + (digit == v).astype(jnp.int32) for v, c in enumerate(counts))
 
-        hist = jnp.sum(jax.lax.fori_loop(0, blocks, count, jnp.zeros((block, BINS), jnp.int32)), axis=0)
-        at_least = jnp.sum(jnp.where(bins[None, :] >= bins[:, None], hist[None, :], 0), axis=1)  # [d]: digits >= d
-        d = jnp.sum((at_least >= remaining).astype(jnp.int32)) - 1
-        above = jnp.sum(jnp.where(bins > d, hist, 0))
+        counts = jax.lax.fori_loop(0, blocks, count, (jnp.zeros((block,), jnp.int32),) * BINS)
+        hist = [jnp.sum(c) for c in counts]
+        at_least = [sum(hist[v:]) for v in range(BINS)]  # entries matching the prefix with digit >= v
+        d = sum((a >= remaining).astype(jnp.int32) for a in at_least) - 1
+        above = sum(jnp.where(v > d, h, 0) for v, h in enumerate(hist))
         return prefix | (jnp.maximum(d, 0) << shift), remaining - above
 
     prefix, remaining = jax.lax.fori_loop(0, PASSES, digit_pass, (jnp.int32(0), need))
