@@ -114,7 +114,7 @@ def _top_k(x_NV, *, k, segments, config: TopKConfig, interpret):
     if segments > 1:
         merged = jax.ShapeDtypeStruct((rows, 1, k + 1), jnp.float32), jax.ShapeDtypeStruct((rows, 1, k + 1), jnp.int32)
         seg_val, seg_id = pl.pallas_call(
-            functools.partial(select, merge=True, segments=segments), grid=(rows, 1), out_shape=merged,
+            functools.partial(select, merge=True), grid=(rows, 1), out_shape=merged,
             interpret=interpret, name="top_k_merge", compiler_params=params,
         )(seg_val.reshape(rows, -1), seg_id.reshape(rows, -1))
     return _ordered(seg_val[:, 0, :k], seg_id[:, 0, :k])
@@ -137,10 +137,11 @@ def _sortable(x):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def _select_kernel(x_ref, ids_ref, val_out, id_out, *, k, block, vocab, size, merge, segments=1):
+def _select_kernel(x_ref, ids_ref, val_out, id_out, *, k, block, vocab, size, merge):
     """Program ``(r, s)``: the top ``need`` entries of row ``r``'s segment ``s`` (entries ``[s * size, (s
-    + 1) * size)`` of ``x``; with ``merge``, the whole row of the segments' slots, ``k + 1`` a segment,
-    their indices read from ``ids_ref``) stored in index order in ``[r, s, :need]`` of the outputs."""
+    + 1) * size)`` of ``x``, their indices their positions; ``ids_ref`` is a placeholder) stored in index
+    order in ``[r, s, :need]`` of the outputs. With ``merge`` (``s = 0``): the same over the whole row of
+    the segments' slots, ``k + 1`` a segment, their indices read from ``ids_ref``."""
     r, s = pl.program_id(0), pl.program_id(1)
     width = x_ref.shape[1]
     length = width if merge else size
