@@ -66,8 +66,8 @@ def top_k_plan(vocab: int, k: int, rows: int = 1) -> tuple[int, ...] | None:
 
 def top_k(x_NV: Float[Array, "... V"], k: int, *, staged: bool | None = None
           ) -> tuple[Float[Array, "... K"], Int[Array, "... K"]]:
-    """``lax.top_k(x_NV, k)`` exactly (values and int32 indices; ties, ``-0.0 == 0.0`` among them, to
-    the lower index first).
+    """``lax.top_k(x_NV, k)`` exactly (values as stored and int32 indices; ties, ``-0.0 == 0.0`` among
+    them, to the lower index first, on every backend and path).
 
     ``staged``: take it in the stages below (default: on a GPU; where `top_k_plan` gives none, by
     `_lax_two_stage`). Elsewhere ``lax.top_k`` is XLA's partial sort, which beats the counts: on a
@@ -91,11 +91,11 @@ def top_k(x_NV: Float[Array, "... V"], k: int, *, staged: bool | None = None
     """
     vocab = x_NV.shape[-1]
     plan = top_k_plan(vocab, k, math.prod(x_NV.shape[:-1]))
-    if not (jax.default_backend() == "gpu" if staged is None else staged):
-        values, ids = jax.lax.top_k(x_NV, k)
-        return values, ids.astype(jnp.int32)
-    if plan is None:
-        return _lax_two_stage(x_NV, k)
+    on_stages = jax.default_backend() == "gpu" if staged is None else staged
+    if not on_stages or plan is None:  # lax.top_k's order of -0.0 and 0.0 varies: it ranks keys without -0.0
+        keys = jnp.where(x_NV == 0, 0.0, x_NV)
+        ids = _lax_two_stage(keys, k) if on_stages else jax.lax.top_k(keys, k)[1].astype(jnp.int32)
+        return jnp.take_along_axis(x_NV, ids, axis=-1), ids
     lead = x_NV.shape[:-1]
     width = -(-vocab // plan[0]) * plan[0] if plan else vocab
     x_NW = jnp.pad(x_NV, [(0, 0)] * len(lead) + [(0, width - vocab)], constant_values=-jnp.inf)
@@ -111,25 +111,23 @@ def top_k(x_NV: Float[Array, "... V"], k: int, *, staged: bool | None = None
 
 
 def _lax_two_stage(x_NV, k):
-    """`top_k` through ``lax.top_k`` (for large ``k``): one stage of groups of the power of two
-    nearest ``sqrt(V / k)`` (in ``[8, 1024]``), the best ``k`` groups by ``lax.top_k`` over their
-    maxima, gathered in ascending group order (so that ``lax.top_k``'s lower-position-first ties
-    are lower-index-first ties), then ``lax.top_k`` over those ``k x C`` entries; a plain
+    """The indices of `top_k` through ``lax.top_k`` (``x`` free of ``-0.0``): one stage of groups of the
+    power of two nearest ``sqrt(V / k)`` (in ``[8, 1024]``), the best ``k`` groups by ``lax.top_k``
+    over their maxima, gathered in ascending group order (so that ``lax.top_k``'s lower-position-first
+    ties are lower-index-first ties), then ``lax.top_k`` over those ``k x C`` entries; a plain
     ``lax.top_k`` where rows are shorter than ``4 k C``. Exact by the argument of `top_k`."""
     vocab, lead = x_NV.shape[-1], x_NV.shape[:-1]
     chunk = min(max(2 ** round(math.log2(max(vocab / k, 1.0)) / 2), _MIN_CHUNK), _MAX_CHUNK)
     groups = -(-vocab // chunk)
     if vocab < 4 * k * chunk or groups <= k:
-        values, ids = jax.lax.top_k(x_NV, k)
-        return values, ids.astype(jnp.int32)
+        return jax.lax.top_k(x_NV, k)[1].astype(jnp.int32)
     pad = [(0, 0)] * len(lead) + [(0, groups * chunk - vocab)]
     x_NGC = jnp.pad(x_NV, pad, constant_values=-jnp.inf).reshape(*lead, groups, chunk)
     _, groups_NK = jax.lax.top_k(jnp.max(x_NGC, axis=-1), k)
     groups_NK = jnp.sort(groups_NK.astype(jnp.int32), axis=-1)
     picked = jnp.take_along_axis(x_NGC, groups_NK[..., None], axis=-2).reshape(*lead, k * chunk)
-    values, pos = jax.lax.top_k(picked, k)
-    pos = pos.astype(jnp.int32)
-    return values, jnp.take_along_axis(groups_NK, pos // chunk, axis=-1) * chunk + pos % chunk
+    pos = jax.lax.top_k(picked, k)[1].astype(jnp.int32)
+    return jnp.take_along_axis(groups_NK, pos // chunk, axis=-1) * chunk + pos % chunk
 
 
 def _first_k(values_NP, ids_NP, k):

@@ -125,6 +125,20 @@ def test_top_k_default_path(vocab, k):
     assert_top_k_exact(tied_rows(1, 2, vocab, 5, 0.1), k, staged=None)
 
 
+@pytest.mark.parametrize("vocab,k,staged", [(40, 12, False), (40, 12, True), (4099, 16, True), (4099, 16, None),
+                                            (3000, 1500, True)])
+def test_top_k_ties_signed_zeros_by_index(vocab, k, staged):
+    """``-0.0`` and ``0.0`` tie (the lower index first) on every path, the plain ``lax.top_k`` of a CPU
+    (which ranks ``-0.0`` below ``0.0``) and the route through it included; values keep their sign."""
+    x = np.full((2, vocab), -1.0, np.float32)
+    x[:, ::2] = -0.0
+    x[:, 1::4] = 0.0
+    values, ids = top_k(jnp.asarray(x), k, staged=staged)
+    want = np.lexsort((np.broadcast_to(np.arange(vocab), x.shape), -x), axis=-1)[:, :k]
+    np.testing.assert_array_equal(np.asarray(ids), want)
+    np.testing.assert_array_equal(np.signbit(np.asarray(values)), np.signbit(np.take_along_axis(x, want, -1)))
+
+
 def test_top_k_rejects_bad_k():
     for staged in (True, None):
         with pytest.raises(ValueError, match="k must be in"):
