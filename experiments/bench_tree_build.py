@@ -19,7 +19,8 @@ budget B (``--topk-cap``, default none, so K = B):
                   adds ``top_k_kernel_<variant>_in_loop`` (and ``_exact``), other launches of the kernel
   beam_kernel   = ``beam`` by the Pallas tree-build kernel (`pallas_kernels.tree_build`, budgets it
                   takes; interpreted off a GPU), and ``kernel_in_loop`` the ``full_in_loop`` build
-                  with it (``build_impl="pallas"``, `kernels.tree_build_fn`); ``kernel_equal`` says
+                  with it (``build_impl="pallas"``, `kernels.tree_build_fn`, up to the budgets where the
+                  library runs it, `kernels.ONE_PROGRAM_BUILD_MAX_BUDGET`); ``kernel_equal`` says
                   whether its tree equals the XLA path's on this device
   beam_in_loop, beam_kernel_in_loop
                 = the beam and global order alone (from the top-K), XLA's and the kernel's, per call
@@ -94,6 +95,7 @@ full = jax.jit(build_and_encode, static_argnames=("budget", "topk_cap", "impl"))
 log_softmax = jax.jit(lambda logits: draft_log_probs(logits, jnp.float32(1.0)))
 vocab_top_k = jax.jit(selection.top_k, static_argnames=("k",))
 lax_top_k = jax.jit(jax.lax.top_k, static_argnames=("k",))
+empty = jax.jit(lambda x: x + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "config"))
@@ -102,7 +104,6 @@ def top_k_kernel(lp_BLV, *, k, config=None):
     values, ids = radix_top_k(lp_BLV.reshape(batch * depth, vocab), k, config=config,
                               interpret=KERNEL_IMPL == "interpret")
     return values.reshape(batch, depth, k), ids.reshape(batch, depth, k)
-empty = jax.jit(lambda x: x + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("budget",))
@@ -222,7 +223,8 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
     library = tree_build_config(budget, k)
     columns = dict(beam_kernel_ms=median_ms(lambda: run(library)(lp_k, tok_k, roots), repeats),
                    kernel_equal=equal(library),
-                   kernel_in_loop_ms=in_loop_ms(drafts[0], roots, budget, topk_cap, KERNEL_IMPL, repeats),
+                   kernel_in_loop_ms=(in_loop_ms(drafts[0], roots, budget, topk_cap, KERNEL_IMPL, repeats)
+                                      if budget <= kernels.ONE_PROGRAM_BUILD_MAX_BUDGET else float("nan")),
                    beam_kernel_in_loop_ms=beam_in_loop_ms(run(library), drafts, roots, k, repeats))
     for name in variants:
         config = parse_variant(name)
@@ -234,15 +236,15 @@ def kernel_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, 
 
 def wide_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, variants=()) -> dict:
     """The wide build's columns of a row (none where it does not take the budget): the whole build
-    with it in a loop, ``wide_in_loop`` (``build_impl="pallas"``, as ``full_in_loop``; where the
-    one-program kernel does not take the budget, as the library runs it), the beam and order
+    with it in a loop, ``wide_in_loop`` (``build_impl="pallas"``, as ``full_in_loop``; past
+    `kernels.ONE_PROGRAM_BUILD_MAX_BUDGET`, where the library runs it), the beam and order
     alone in a loop, ``beam_wide_in_loop`` (`WideBuildConfig()`) and ``beam_wide_<v>_in_loop`` for each
     variant v, each with ``wide[_<v>]_equal``: whether its tree equals XLA's."""
     k = lp_k.shape[2]
     if not wide_supports(budget, k, lp_k.shape[1]):
         return {}
     columns = {}
-    if not kernel_supports(budget, k, lp_k.shape[1]):  # else the library's kernel build is the one-program kernel
+    if budget > kernels.ONE_PROGRAM_BUILD_MAX_BUDGET:  # the library's pallas build is the wide one
         columns["wide_in_loop_ms"] = in_loop_ms(drafts[0], roots, budget, topk_cap, KERNEL_IMPL, repeats)
     for name, config in [("wide", WideBuildConfig()), *((f"wide_{v}", parse_wide_variant(v)) for v in variants)]:
         run = functools.partial(beam_wide, budget=budget, config=config)
