@@ -71,7 +71,7 @@ def mosaic_sweep_configs(k, n) -> dict:
     the SM-count policy and twice as many (where they divide K's tiles); those whose buffers (``x`` and
     ``w`` tiles a stage, the float32 output tile) fit `MOSAIC_SMEM_BYTES`."""
     grid = {}
-    sms = configs.device_multiprocessors() or 132
+    sms = configs.device_multiprocessors() or configs.DEFAULT_MULTIPROCESSORS
     for block_n, block_k, stages in itertools.product((64, 128, 256), (64, 128), (4, 6)):
         tiles = k // block_k
         smem = stages * (MOSAIC_ROWS + block_n) * block_k * 2 + MOSAIC_ROWS * block_n * 4

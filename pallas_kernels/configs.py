@@ -165,6 +165,14 @@ def mosaic_interpret_params():
     return params()
 
 
+DEFAULT_MULTIPROCESSORS = 132  # an H100 / H200: what launch policies assume where the device does not say
+
+
+def is_pow2(n) -> bool:
+    """Whether ``n`` is an int power of two (1 included)."""
+    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+
+
 def device_multiprocessors() -> int | None:
     """Streaming multiprocessors of the first local device; ``None`` off CUDA or where JAX does not say."""
     device = jax.local_devices()[0]

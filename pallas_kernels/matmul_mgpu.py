@@ -29,12 +29,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.configs import device_multiprocessors, mosaic_interpret_params
+from pallas_kernels.configs import DEFAULT_MULTIPROCESSORS, device_multiprocessors, mosaic_interpret_params
 from pallas_kernels.matmul import check_operands
 
 ROWS = 64  # the M of a wgmma: x's rows are padded to it
 DTYPES = (jnp.bfloat16, jnp.float16)
-_DEFAULT_MULTIPROCESSORS = 132  # an H100 / H200, where the device does not say
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +93,7 @@ def matmul_mgpu(x_MK, w_KN, *, out_dtype=None, config: MosaicMatmulConfig | None
                          f"{config.block_n}")
     k_tiles = k // config.block_k
     splits = config.splits or split_count(k_tiles, n // config.block_n,
-                                          device_multiprocessors() or _DEFAULT_MULTIPROCESSORS)
+                                          device_multiprocessors() or DEFAULT_MULTIPROCESSORS)
     if k_tiles % splits:
         raise ValueError(f"splits = {splits} must divide the {k_tiles} tiles of K")
     out_dtype = jnp.dtype(x_MK.dtype if out_dtype is None else out_dtype)

@@ -32,18 +32,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.configs import device_multiprocessors
+from pallas_kernels.configs import DEFAULT_MULTIPROCESSORS, device_multiprocessors, is_pow2
 
 DIGIT_BITS = 4
 BINS = 1 << DIGIT_BITS
 PASSES = 32 // DIGIT_BITS
 MAX_K = 1024
 _SIGN = -(1 << 31)  # 0x80000000 as an int32
-_DEFAULT_MULTIPROCESSORS = 132  # an H100 / H200, where the device does not say
-
-
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +51,7 @@ class TopKConfig:
     segments: int = 0
 
     def __post_init__(self):
-        if not (_is_pow2(self.block) and 128 <= self.block <= 4096):
+        if not (is_pow2(self.block) and 128 <= self.block <= 4096):
             raise ValueError(f"TopKConfig.block must be a power of two in [128, 4096], got {self.block!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"TopKConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
@@ -93,7 +88,7 @@ def top_k(x_NV, k: int, *, config: TopKConfig | None = None, interpret: bool = F
     if not isinstance(config, TopKConfig):
         raise ValueError(f"config must be a TopKConfig, got {config!r}")
     segments = config.segments or segment_count(rows, vocab, k, config.block,
-                                                device_multiprocessors() or _DEFAULT_MULTIPROCESSORS)
+                                                device_multiprocessors() or DEFAULT_MULTIPROCESSORS)
     return _top_k(x_NV, k=k, segments=min(segments, -(-vocab // config.block)), config=config,
                   interpret=bool(interpret))
 

@@ -41,6 +41,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.configs import is_pow2
 from pallas_kernels.tree_build import (
     MAX_DEPTH,
     WARPS,
@@ -54,10 +55,6 @@ from pallas_kernels.tree_build import (
 MAX_PAIRS = 8192  # a depth's candidates, padded to a power of two: every program holds all their keys
 _PAD_LEX = 1 << 30  # padding candidates' lex (plus their index): after every real candidate's
 _KEY_CHUNK = 1024  # candidates whose keys a program computes at once
-
-
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +74,7 @@ class WideBuildConfig:
     def __post_init__(self):
         for field in ("rows", "cols", "entries"):
             value = getattr(self, field)
-            if not (_is_pow2(value) and 8 <= value <= 1024):
+            if not (is_pow2(value) and 8 <= value <= 1024):
                 raise ValueError(f"WideBuildConfig.{field} must be a power of two in [8, 1024], got {value!r}")
         if self.num_warps not in WARPS:
             raise ValueError(f"WideBuildConfig.num_warps must be one of {WARPS}, got {self.num_warps!r}")
