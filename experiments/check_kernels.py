@@ -83,6 +83,8 @@ from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul_mgpu import matmul_mgpu
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, qk_norm_rope_write_reference, rope_tables
+from pallas_kernels.top_k import TopKConfig, top_k
+from pallas_kernels.top_k_reference import top_k_reference
 from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.tree_attention_mgpu import DTYPES as MOSAIC_DTYPES
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
@@ -90,8 +92,6 @@ from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import TreeBuildConfig, tree_build_config, tree_nodes
 from pallas_kernels.tree_build_reference import tree_nodes_reference
 from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide
-from pallas_kernels.top_k import TopKConfig, top_k
-from pallas_kernels.top_k_reference import top_k_reference
 from pallas_kernels.tree_sampling import SamplerConfig
 
 # (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
