@@ -34,7 +34,8 @@ budget B (``--topk-cap``, default none, so K = B):
                   ``--wide-variants r64,w8`` adds ``beam_wide_<variant>_in_loop``
 and two floors: reading the float32 draft logits once at 4.8 TB/s (the H200's HBM bandwidth) and
 an empty jitted call (the dispatch cost every timed call above but ``full_in_loop`` carries). ``--profile`` adds the
-device ops of the full build, summed by kind (`ddtree_jax.experiments.profiling`). Prints a table
+device ops of the full build and of the library's ``pallas`` build, summed by kind
+(`ddtree_jax.experiments.profiling`). Prints a table
 and writes JSON.
 
     PYTHONPATH=. python3 experiments/bench_tree_build.py --out experiments/results/bench_tree_build.json
@@ -72,7 +73,7 @@ from experiments.common import median_ms  # noqa: E402
 from pallas_kernels.top_k import TopKConfig  # noqa: E402
 from pallas_kernels.top_k import top_k as radix_top_k  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig, kernel_supports, tree_build_config, tree_nodes  # noqa: E402
-from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide  # noqa: E402
+from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide, wide_build_config  # noqa: E402
 from pallas_kernels.tree_build_wide import kernel_supports as wide_supports  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
@@ -238,15 +239,16 @@ def wide_columns(drafts, lp_k, tok_k, roots, tree, budget, topk_cap, repeats, va
     """The wide build's columns of a row (none where it does not take the budget): the whole build
     with it in a loop, ``wide_in_loop`` (``build_impl="pallas"``, as ``full_in_loop``; past
     `kernels.ONE_PROGRAM_BUILD_MAX_BUDGET`, where the library runs it), the beam and order
-    alone in a loop, ``beam_wide_in_loop`` (`WideBuildConfig()`) and ``beam_wide_<v>_in_loop`` for each
-    variant v, each with ``wide[_<v>]_equal``: whether its tree equals XLA's."""
+    alone in a loop, ``beam_wide_in_loop`` (the library's launch, `wide_build_config`) and
+    ``beam_wide_<v>_in_loop`` for each variant v, each with ``wide[_<v>]_equal``: whether its tree equals XLA's."""
     k = lp_k.shape[2]
     if not wide_supports(budget, k, lp_k.shape[1]):
         return {}
     columns = {}
     if budget > kernels.ONE_PROGRAM_BUILD_MAX_BUDGET:  # the library's pallas build is the wide one
         columns["wide_in_loop_ms"] = in_loop_ms(drafts[0], roots, budget, topk_cap, KERNEL_IMPL, repeats)
-    for name, config in [("wide", WideBuildConfig()), *((f"wide_{v}", parse_wide_variant(v)) for v in variants)]:
+    for name, config in [("wide", wide_build_config(budget, k)),
+                         *((f"wide_{v}", parse_wide_variant(v)) for v in variants)]:
         run = functools.partial(beam_wide, budget=budget, config=config)
         got = run(lp_k, tok_k, roots)
         columns[f"{name}_equal"] = all(bool(jnp.array_equal(a, b))
@@ -268,9 +270,10 @@ def parse_launch(name: str, config_type, fields: tuple[tuple[str, str], ...], ki
 
 
 def parse_wide_variant(name: str) -> WideBuildConfig:
-    """A wide-build launch: ``r<rows>c<cols>e<entries>w<warps>``, e.g. ``r64``, ``r16c256w8``."""
-    return parse_launch(name, WideBuildConfig, (("r", "rows"), ("c", "cols"), ("e", "entries"), ("w", "num_warps")),
-                        "wide")
+    """A wide-build launch: ``r<rows>c<cols>e<entries>w<warps>g<gather_keys>``, e.g. ``r64``, ``r16c256w8``,
+    ``g1``."""
+    return parse_launch(name, WideBuildConfig, (("r", "rows"), ("c", "cols"), ("e", "entries"), ("w", "num_warps"),
+                                                ("g", "gather_keys")), "wide")
 
 
 def parse_top_k_variant(name: str) -> TopKConfig:
@@ -302,7 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k-variants", default="",
                     help="comma-separated launches of the radix-selection top-k to time besides its default: "
                          "b<block>w<warps>s<segments> (each part optional), e.g. s64,b512w4s32")
-    ap.add_argument("--profile", action="store_true", help="device ops of the full build, summed by kind")
+    ap.add_argument("--profile", action="store_true",
+                    help="device ops of the XLA build and the library's pallas build, summed by kind")
     ap.add_argument("--out", default="experiments/results/bench_tree_build.json")
     args = ap.parse_args(argv)
     budgets, batches = args.budgets, args.batches
@@ -338,13 +342,14 @@ def main(argv=None) -> int:
             row = time_row(draft, budget, args.topk_cap or None, args.repeats, kernel_variants, wide_variants,
                            top_k_variants)
             if args.profile:
-                try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
-                    run = functools.partial(full, draft, jnp.zeros((batch,), jnp.int32), budget=budget,
-                                            topk_cap=args.topk_cap or None)
-                    row["profile_full"] = profiling.device_op_times(run)
-                    print(profiling.format_summary(row["profile_full"]), flush=True)
-                except Exception as e:  # noqa: BLE001
-                    row["profile_full_error"] = repr(e)
+                for name, impl in (("full", "xla"), ("library", KERNEL_IMPL)):
+                    try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
+                        run = functools.partial(full, draft, jnp.zeros((batch,), jnp.int32), budget=budget,
+                                                topk_cap=args.topk_cap or None, impl=impl)
+                        row[f"profile_{name}"] = profiling.device_op_times(run)
+                        print(f"{name} build ({impl}):", profiling.format_summary(row[f"profile_{name}"]), flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        row[f"profile_{name}_error"] = repr(e)
             rows.append(row)
             cells = " ".join(f"{row[c]:>11.3f}" for c in COLUMNS)
             print(f"{batch:>5} {budget:>5} {row['plan']:>10} {cells} {row['hbm_floor_ms']:>10.4f}"

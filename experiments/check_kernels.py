@@ -91,7 +91,7 @@ from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import TreeBuildConfig, tree_build_config, tree_nodes
 from pallas_kernels.tree_build_reference import tree_nodes_reference
-from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide
+from pallas_kernels.tree_build_wide import WideBuildConfig, tree_nodes_wide, wide_build_config
 from pallas_kernels.tree_sampling import SamplerConfig
 
 # (batch, nodes, heads, kv_heads, head_dim, contexts (cycled over the batch), padding nodes, dtype)
@@ -400,10 +400,11 @@ TREE_BUILD_CASES = [(1, 15, 151_936, 16, 4, False, None), (8, 15, 151_936, 16, 1
                     (8, 15, 151_936, 16, 16, True, TreeBuildConfig(chunk=0)),
                     (1, 15, 151_936, 32, 32, True, TreeBuildConfig(num_warps=4, chunk=16)),
                     (8, 15, 151_936, 64, 64, True, TreeBuildConfig(num_warps=16, chunk=64)),
-                    (1, 15, 151_936, 512, 512, True, WideBuildConfig()), (8, 15, 151_936, 512, 512, False,
+                    (1, 15, 151_936, 512, 512, True, wide_build_config(512, 512)), (8, 15, 151_936, 512, 512, False,
                                                                            WideBuildConfig(rows=64, num_warps=8)),
                     (2, 15, 151_936, 256, 4, True, WideBuildConfig(rows=16, cols=256)),
-                    (1, 16, 151_936, 128, 128, False, WideBuildConfig())]
+                    (1, 16, 151_936, 128, 128, False, WideBuildConfig()),
+                    (1, 15, 151_936, 128, 4, False, wide_build_config(128, 4))]
 
 
 def check_tree_build(interpret=False, cases=TREE_BUILD_CASES):

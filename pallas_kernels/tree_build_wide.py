@@ -7,8 +7,11 @@ one-program kernel of `tree_build` counts a depth's ``P`` candidates (``about B 
 one program, ``P^2`` comparisons: at ``B = 512`` (3,280 candidates) one SM cannot do that in time. Here
 each depth is one launch over ``(batch, P / rows)`` programs:
 
-- every program computes all ``P`` candidates' keys from the previous beam and the depth's row (the
-  same values in every program, stored to one scratch row and read back in slices after a barrier);
+- every program needs all ``P`` candidates' keys, each a sum of the previous beam's and the depth row's
+  log-weights gathered by the candidate's (beam entry, rank): either every program computes them all once,
+  stores them to one scratch row and reads them back in slices after a barrier (the same values in every
+  program), or it gathers each slice again where it compares it (``gather_keys``: no stores, no barrier;
+  faster from 512 padded candidates, `wide_build_config`);
 - the keys are ``(-logw, lex)``: ``lex`` orders a depth's candidates as their rank tuples do, without
   the tuples' words: ``lex = lex_rank(parent) * K + rank``, where ``lex_rank`` is the parent's place by
   ``lex`` among the previous depth's candidates (``lex`` is the rank itself at depth 1). Comparing two
@@ -62,16 +65,21 @@ class WideBuildConfig:
     """Launches of the wide build: ``rows`` candidates a program ranks, ``cols`` candidates it compares
     them with a step (at most a depth's padded candidates), ``entries`` a program of the global order,
     ``num_warps`` warps a program (powers of two; ``rows * cols`` and ``entries * L`` are the largest
-    tiles a thread block holds). The default is the fastest measured: on an H100 at B = 512, K = 512,
-    batch 1, the beam and order took 0.245 ms in a loop against 0.55 ms with 128 candidates a step and
-    4 warps (each step's loads wait on the step before: fewer, wider steps) and XLA's 0.87 ms."""
+    tiles a thread block holds); ``gather_keys``: gather the compared candidates' keys at each step
+    instead of storing them all first (the module docstring). The default is the fastest launch measured
+    with stored keys: on an H100 at B = 512, K = 512, batch 1, the beam and order took 0.245 ms in a loop
+    against 0.55 ms with 128 candidates a step and 4 warps (each step's loads wait on the step before:
+    fewer, wider steps) and XLA's 0.87 ms; `wide_build_config` gathers the keys where that measured faster."""
 
     rows: int = 32
     cols: int = 1024
     entries: int = 64
     num_warps: int = 16
+    gather_keys: bool = False
 
     def __post_init__(self):
+        if self.gather_keys not in (False, True):
+            raise ValueError(f"WideBuildConfig.gather_keys must be a bool, got {self.gather_keys!r}")
         for field in ("rows", "cols", "entries"):
             value = getattr(self, field)
             if not (is_pow2(value) and 8 <= value <= 1024):
@@ -83,6 +91,19 @@ class WideBuildConfig:
 def padded_pairs(budget: int, k: int, config: WideBuildConfig) -> int:
     """A depth's candidates (`beam_pairs`) padded to a power of two of at least ``rows``."""
     return max(pow2(len(beam_pairs(budget, k)[0])), config.rows)
+
+
+# Padded candidates a depth from which `wide_build_config` gathers the keys at each step: on an H100 (K = 4,
+# batch 1) the beam and order took 0.082 against 0.102 ms at B = 128 (512 padded candidates) and 0.097
+# against 0.065 ms at B = 64 (256); uncapped at B = 512 (4,096) 0.205 against 0.261 ms (BENCHMARKS.md).
+GATHER_KEYS_MIN_PAIRS = 512
+
+
+def wide_build_config(budget: int, k: int) -> WideBuildConfig:
+    """The launch `tree_nodes_wide` uses by default: `WideBuildConfig()`, gathering the keys at each step
+    from `GATHER_KEYS_MIN_PAIRS` padded candidates a depth."""
+    stored = WideBuildConfig()
+    return dataclasses.replace(stored, gather_keys=padded_pairs(budget, k, stored) >= GATHER_KEYS_MIN_PAIRS)
 
 
 def kernel_supports(budget: int, k: int, depth: int) -> bool:
@@ -102,14 +123,14 @@ def tree_nodes_wide(lp_BLK, tok_BLK, *, budget: int, config: WideBuildConfig | N
         (``-inf`` where a depth has fewer than ``K`` tokens).
       tok_BLK: int32 ``[batch, L, K]`` their token ids (ties by lower id first).
       budget: nodes besides the root; `kernel_supports` must hold.
-      config: the launches (default `WideBuildConfig()`).
+      config: the launches (default `wide_build_config`).
       interpret: run in the Pallas interpreter.
     """
     _, depth, k = check_top_k_rows(lp_BLK, tok_BLK)
     if not (isinstance(budget, int) and kernel_supports(budget, k, depth)):
         raise ValueError(f"the wide tree build does not take budget {budget!r} with k {k} and depth {depth} "
                          f"(kernel_supports)")
-    config = WideBuildConfig() if config is None else config
+    config = wide_build_config(budget, k) if config is None else config
     if not isinstance(config, WideBuildConfig):
         raise ValueError(f"config must be a WideBuildConfig, got {config!r}")
     return _tree_nodes_wide(jnp.asarray(lp_BLK, jnp.float32), jnp.asarray(tok_BLK, jnp.int32), budget=budget,
@@ -159,7 +180,8 @@ def _extend_call(batch, depth2, k2, words, pairs, *, budget, k, bits, per_word, 
     full = pl.BlockSpec((pairs,), lambda b, c: (0,))
     scratch_spec = pl.BlockSpec((None, pairs), lambda b, c: (b, 0))
     kernel = functools.partial(_extend_kernel, budget=budget, k=k, bits=bits, per_word=per_word, words=words,
-                               rows=config.rows, cols=min(config.cols, pairs), barrier=not interpret)
+                               rows=config.rows, cols=min(config.cols, pairs), barrier=not interpret,
+                               gather_keys=config.gather_keys)
     beam_shapes = [jax.ShapeDtypeStruct((batch, depth2, pairs), dtype)
                    for dtype in (jnp.float32, jnp.int32, jnp.int32, jnp.int32)]
     out_shape = [*beam_shapes, jax.ShapeDtypeStruct((batch, words, depth2, pairs), jnp.int32),
@@ -175,10 +197,10 @@ def _extend_call(batch, depth2, k2, words, pairs, *, budget, k, bits, per_word, 
 
 def _extend_kernel(d_ref, lp_ref, tok_ref, pair_i_ref, pair_r_ref, logw_in, tok_in, par_in, lex_in, words_in,
                    logw_out, tok_out, par_out, lex_out, words_out, neg_logw_buf, lex_buf, *, budget, k, bits, per_word,
-                   words, rows, cols, barrier):
+                   words, rows, cols, barrier, gather_keys):
     """Program (b, c): depth d's candidates ``[c * rows, (c + 1) * rows)`` ranked among all of the depth's,
-    those ranked below the budget stored at their rank in row d of the beams. Scratch: every candidate's
-    ``-logw`` and ``lex``, ``[P]`` each."""
+    those ranked below the budget stored at their rank in row d of the beams. Scratch (unused with
+    ``gather_keys``): every candidate's ``-logw`` and ``lex``, ``[P]`` each."""
     del par_in, tok_in  # aliased to par_out and tok_out, which only this depth's row is written to
     d = d_ref[0]
     pairs, k2 = pair_i_ref.shape[0], lp_ref.shape[1]
@@ -186,28 +208,37 @@ def _extend_kernel(d_ref, lp_ref, tok_ref, pair_i_ref, pair_r_ref, logw_in, tok_
     def clamped(pair_i, pair_r):  # the beam entry and rank a pair loads (padding pairs: in range, unused)
         return jnp.minimum(pair_i, budget - 1), jnp.minimum(pair_r, k2 - 1)
 
-    size = min(pairs, _KEY_CHUNK)
-    for start in range(0, pairs, size):  # unrolled: independent loads, a bounded number of registers
+    def keys(start, size):  # (-logw, lex) of candidates [start, start + size)
         part = pl.ds(start, size)
         pair_i, pair_r = pair_i_ref[part], pair_r_ref[part]
         i, r = clamped(pair_i, pair_r)
         real = pair_i < budget  # padding pairs (i = B): -inf, lex after every real one's
         above, here = jnp.full((size,), d - 1, jnp.int32), jnp.full((size,), d, jnp.int32)
         logw = plt.load(logw_in.at[above, i]) + plt.load(lp_ref.at[here, r])
-        neg_logw_buf[part] = jnp.where(real, -logw, jnp.inf)
-        lex_buf[part] = jnp.where(real, plt.load(lex_in.at[above, i]) * k + pair_r,
-                                  _PAD_LEX + start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0))
-    if barrier:
-        plt.debug_barrier()
+        return (jnp.where(real, -logw, jnp.inf),
+                jnp.where(real, plt.load(lex_in.at[above, i]) * k + pair_r,
+                          _PAD_LEX + start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)))
 
     own = pl.ds(pl.program_id(1) * rows, rows)
-    q_neg_logw = neg_logw_buf[own]
-    q_key, q_lex = q_neg_logw[None, :], lex_buf[own][None, :]
+    if gather_keys:
+        q_neg_logw, q_lex = keys(pl.program_id(1) * rows, rows)
+    else:
+        size = min(pairs, _KEY_CHUNK)
+        for start in range(0, pairs, size):  # unrolled: independent loads, a bounded number of registers
+            neg_logw_buf[pl.ds(start, size)], lex_buf[pl.ds(start, size)] = keys(start, size)
+        if barrier:
+            plt.debug_barrier()
+        q_neg_logw, q_lex = neg_logw_buf[own], lex_buf[own]
+    q_key, q_lex = q_neg_logw[None, :], q_lex[None, :]
 
     def count(step, carry):  # candidates [step * cols, (step + 1) * cols) against this program's
         rank, lex_rank = carry
-        chunk = pl.ds(step * cols, cols)
-        p_key, p_lex = neg_logw_buf[chunk][:, None], lex_buf[chunk][:, None]
+        if gather_keys:
+            p_key, p_lex = keys(step * cols, cols)
+        else:
+            chunk = pl.ds(step * cols, cols)
+            p_key, p_lex = neg_logw_buf[chunk], lex_buf[chunk]
+        p_key, p_lex = p_key[:, None], p_lex[:, None]
         lex_before = p_lex < q_lex
         before = (p_key < q_key) | ((p_key == q_key) & lex_before)
         return (rank + jnp.sum(before.astype(jnp.int32), axis=0),

@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 from test_pallas_tree_build import assert_build_equals_reference_and_library, top_k_rows
 
 from pallas_kernels.lowering import verified_triton_modules
-from pallas_kernels.tree_build_wide import MAX_PAIRS, WideBuildConfig, kernel_supports, padded_pairs, tree_nodes_wide
+from pallas_kernels.tree_build_wide import (
+    GATHER_KEYS_MIN_PAIRS,
+    MAX_PAIRS,
+    WideBuildConfig,
+    kernel_supports,
+    padded_pairs,
+    tree_nodes_wide,
+    wide_build_config,
+)
 
 SMALL = WideBuildConfig(rows=8, cols=16, entries=16)
 # (batch, depth, vocab, budget, k, launch): budgets 2 to 200, past the one-program kernel's 64 and between
@@ -22,7 +30,9 @@ SHAPES = [(2, 15, 300, 16, 16, SMALL), (1, 1, 50, 4, 4, SMALL), (2, 3, 3, 5, 3, 
           (1, 9, 64, 100, 8, WideBuildConfig(rows=32, cols=128, entries=64, num_warps=8)),
           (1, 4, 300, 200, 200, WideBuildConfig(rows=64, cols=256, entries=128)),
           (2, 5, 40, 24, 24, WideBuildConfig(rows=16, cols=8, entries=8)),
-          (1, 6, 40, 70, 4, WideBuildConfig(rows=16, cols=1024, entries=64))]
+          (1, 6, 40, 70, 4, WideBuildConfig(rows=16, cols=1024, entries=64)),
+          (2, 15, 300, 16, 16, WideBuildConfig(rows=8, cols=16, entries=16, gather_keys=True)),
+          (1, 9, 64, 100, 8, WideBuildConfig(rows=32, cols=128, entries=64, gather_keys=True))]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -35,16 +45,19 @@ def test_wide_build_equals_reference_and_library(shape, seed, ties, certain):
 @pytest.mark.parametrize("budget, k, depth, config", [
     (512, 512, 15, None), (128, 4, 15, None), (1024, 1024, 16, None), (512, 512, 15, WideBuildConfig(rows=64)),
     (512, 512, 15, WideBuildConfig(cols=128, num_warps=4)),
-    (256, 4, 15, WideBuildConfig(rows=16, cols=256, entries=128, num_warps=8)), (16, 1, 1, None)])
+    (256, 4, 15, WideBuildConfig(rows=16, cols=256, entries=128, num_warps=8)), (16, 1, 1, None),
+    (512, 512, 15, WideBuildConfig(gather_keys=True))])
 def test_triton_lowering_verifies(budget, k, depth, config):
     shapes = [jax.ShapeDtypeStruct((2, depth, k), dtype) for dtype in (jnp.float32, jnp.int32)]
     modules = verified_triton_modules(
         lambda lp, ids: tree_nodes_wide(lp, ids, budget=budget, config=config), *shapes)
     # one module a launch kind: the depths' (absent at depth 1; one for all depths, the depth an operand) and
-    # the order's; the depth's threads meet after storing the scratch keys that they read back
+    # the order's; the depth's threads meet after storing the scratch keys that they read back, unless they
+    # gather the keys at each step
     assert len(modules) == (1 if depth == 1 else 2)
     assert all("tt.reduce" in m for m in modules)
-    assert depth == 1 or "gpu.barrier" in modules[0]
+    gathered = (config or wide_build_config(budget, k)).gather_keys
+    assert depth == 1 or ("gpu.barrier" in modules[0]) != gathered
 
 
 def test_supported_shapes():
@@ -54,6 +67,15 @@ def test_supported_shapes():
     assert not kernel_supports(1, 1, 15) and not kernel_supports(16, 32, 15) and not kernel_supports(16, 16, 17)
     assert padded_pairs(512, 512, WideBuildConfig()) == 4096 <= MAX_PAIRS  # 3,280 candidates
     assert padded_pairs(2, 1, WideBuildConfig()) == 32  # at least a program's `rows`
+
+
+def test_default_launch_gathers_keys_from_512_padded_candidates():
+    assert GATHER_KEYS_MIN_PAIRS == 512
+    assert wide_build_config(512, 512) == WideBuildConfig(gather_keys=True)  # 4,096 padded candidates
+    assert wide_build_config(128, 4) == WideBuildConfig(gather_keys=True)  # 512
+    assert wide_build_config(64, 4) == WideBuildConfig()  # 256: the stored keys measured faster
+    with pytest.raises(ValueError, match="WideBuildConfig.gather_keys must be a bool"):
+        WideBuildConfig(gather_keys=2)
 
 
 def test_bad_input_raises_clear_errors():
