@@ -41,9 +41,9 @@ next power of two); from 33 to 1,024 (uncapped) the wide build (`pallas_kernels.
 a depth over many programs a request). On an H100 at batch 1 and K = 4 the beam and order took 0.037 /
 0.053 ms by the one-program kernel at B = 16 / 32 (XLA's 0.109 / 0.117), and 0.068 / 0.076 ms by the wide
 build at B = 64 / 128 (the one-program kernel 0.095 at 64; XLA's 0.129 / 0.128); uncapped at B = 512,
-0.245–0.266 ms against XLA's 0.87–0.92 (BENCHMARKS.md). ``pallas`` runs them so; ``auto`` does for one
-request, and for batches of several keeps the one-program kernel up to its budget 64 and XLA's ops
-beyond (the wide build at batch 8 is checked, not timed).
+0.205–0.213 ms against XLA's 0.87–0.92 (BENCHMARKS.md). ``pallas`` runs them so; ``auto`` does for one
+request, and for batches of several up to budget 128 (`WIDE_BUILD_MAX_BATCHED_BUDGET`; at batch 8 the
+wide build's 0.072 / 0.081 ms at B = 64 / 128 against XLA's 0.164 / 0.204), XLA's ops beyond.
 
 With a ``("dp", "tp")`` mesh, the attention kernel runs per device inside ``shard_map``
 (`shard_attention`); the XLA paths are partitioned by XLA itself. Kernel configs come from the
@@ -271,6 +271,10 @@ def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None
 # wide build. On an H100 at batch 1 and K = 4 their beam and order took 0.037 / 0.053 / 0.095 ms and
 # 0.059 / 0.065 / 0.068 ms at B = 16 / 32 / 64 (XLA's 0.109 / 0.117 / 0.129; BENCHMARKS.md).
 ONE_PROGRAM_BUILD_MAX_BUDGET = 32
+# Under ``auto`` a batch of several requests takes the wide build up to this budget, XLA's ops beyond: at
+# batch 8 and K = 4 on an H100 the wide build's beam and order took 0.072 / 0.081 ms at B = 64 / 128, the
+# one-program kernel's 0.100 at 64 and XLA's 0.164 / 0.204; larger budgets at batch 8 are not timed.
+WIDE_BUILD_MAX_BATCHED_BUDGET = 128
 
 
 def tree_build_fn(impl: str, mesh: Mesh | None = None):
@@ -279,9 +283,9 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
     for every implementation. The kernel (`pallas_kernels.tree_build`, one program per request, the
     launch of `tree_build.tree_build_config`) does the beam and the global order up to budget
     `ONE_PROGRAM_BUILD_MAX_BUDGET`, and the wide build (`pallas_kernels.tree_build_wide`) those of larger
-    budgets it takes (`tree_build_wide.kernel_supports`); under ``auto`` the wide build runs for a batch
-    of one request only, and a batch of several keeps the one-program kernel up to its budget 64 and XLA's
-    ops beyond (shapes decided when traced). The vocabulary top-k before them is XLA's. Under a mesh the
+    budgets it takes (`tree_build_wide.kernel_supports`); under ``auto`` a batch of several requests
+    takes the wide build up to `WIDE_BUILD_MAX_BATCHED_BUDGET` and XLA's ops beyond (shapes decided when
+    traced). The vocabulary top-k before them is XLA's. Under a mesh the
     XLA path runs (the kernels are not wrapped in ``shard_map``)."""
     impl = check_impl("build_impl", impl)
     if _reference_only(impl, mesh):
@@ -290,9 +294,9 @@ def tree_build_fn(impl: str, mesh: Mesh | None = None):
     def build(draft_logits_BLV, root_B, draft_temperature, *, budget, topk_cap):
         depth, vocab = draft_logits_BLV.shape[1:]
         k = tree_lib.top_k_width(budget, topk_cap, vocab)
-        one_program = tree_build_supports(budget, k, depth)
-        wide = wide_build_supports(budget, k, depth) and (impl != "auto" or draft_logits_BLV.shape[0] == 1)
-        if one_program and (budget <= ONE_PROGRAM_BUILD_MAX_BUDGET or not wide):
+        batched_auto = impl == "auto" and draft_logits_BLV.shape[0] > 1
+        wide = wide_build_supports(budget, k, depth) and not (batched_auto and budget > WIDE_BUILD_MAX_BATCHED_BUDGET)
+        if tree_build_supports(budget, k, depth) and budget <= ONE_PROGRAM_BUILD_MAX_BUDGET:
             nodes_fn = tree_nodes
         elif wide:
             nodes_fn = tree_nodes_wide

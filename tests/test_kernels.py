@@ -217,7 +217,7 @@ def test_interpreted_tree_build_equals_the_xla_build(budget, topk_cap):
 def test_tree_build_dispatch(monkeypatch):
     """XLA off a GPU, for ``xla`` and under a mesh; on a GPU the one-program kernel up to budget 32 and
     the wide build beyond, for ``interpret``/``pallas``, and for ``auto`` at batch 1; ``auto`` for batches
-    of several requests: the one-program kernel up to its budget 64, XLA beyond."""
+    of several requests: the wide build up to budget 128, XLA beyond."""
     from ddtree_jax.sharding import make_mesh
     from ddtree_jax.tree import build_tree_unchecked
     assert kernels.tree_build_fn("auto") is build_tree_unchecked
@@ -240,26 +240,30 @@ def test_tree_build_dispatch(monkeypatch):
     monkeypatch.setattr(kernels, "tree_nodes", fake(calls))
     monkeypatch.setattr(kernels, "tree_nodes_wide", fake(wide_calls))
     logits, roots = _draft_logits()
+    assert logits.shape[0] > 1
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
     auto, pallas = kernels.tree_build_fn("auto"), kernels.tree_build_fn("pallas")
-    tree = auto(logits, roots, 1.0, budget=64, topk_cap=4)
-    assert calls == [(64, 4, False)]
+    tree = auto(logits, roots, 1.0, budget=16, topk_cap=4)
+    assert calls == [(16, 4, False)]
     np.testing.assert_array_equal(np.asarray(tree.num_nodes), 1)  # the fake's empty trees, the root prepended
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 0]), np.asarray(roots))
-    jax.block_until_ready(auto(logits, roots, 1.0, budget=128, topk_cap=4))  # past the kernel's 64: XLA
     for build in (auto, pallas):
         jax.block_until_ready(build(logits, roots, 1.0, budget=1, topk_cap=None))  # one draft: XLA
     assert len(calls) == 1 and not wide_calls
-    pallas(logits, roots, 1.0, budget=128, topk_cap=4)
-    assert wide_calls == [(128, 4, False)] and len(calls) == 1
-    auto(logits[:1], roots[:1], 1.0, budget=512, topk_cap=None)  # one request: the wide build under auto too
+    auto(logits, roots, 1.0, budget=64, topk_cap=4)  # a batch past 32: the wide build up to 128
+    auto(logits, roots, 1.0, budget=128, topk_cap=4)
+    assert wide_calls == [(64, 4, False), (128, 4, False)]
+    jax.block_until_ready(auto(logits, roots, 1.0, budget=129, topk_cap=4))  # a batch past 128: XLA
+    assert len(wide_calls) == 2 and len(calls) == 1
+    pallas(logits, roots, 1.0, budget=129, topk_cap=4)  # pallas: the wide build at any batch
+    assert wide_calls[-1] == (129, 4, False)
+    auto(logits[:1], roots[:1], 1.0, budget=512, topk_cap=None)  # one request: the wide build at any budget
     assert wide_calls[-1] == (512, 40, False) and len(calls) == 1
     pallas(logits, roots, 1.0, budget=15, topk_cap=4)
     assert calls[-1] == (15, 4, False)
     for build in (auto, pallas):  # budget 32: the one-program kernel at any batch
-        build(logits[:1], roots[:1], 1.0, budget=32, topk_cap=4)
-    assert calls[-2:] == [(32, 4, False)] * 2 and len(wide_calls) == 2
-    auto(logits[:1], roots[:1], 1.0, budget=33, topk_cap=4)  # one request past 32: the wide build
-    pallas(logits, roots, 1.0, budget=64, topk_cap=4)  # pallas: the wide build at any batch
-    assert wide_calls[-2:] == [(33, 4, False), (64, 4, False)] and len(calls) == 4
+        build(logits, roots, 1.0, budget=32, topk_cap=4)
+    assert calls[-2:] == [(32, 4, False)] * 2 and len(wide_calls) == 4
+    auto(logits[:1], roots[:1], 1.0, budget=33, topk_cap=4)  # past 32: the wide build
+    assert wide_calls[-1] == (33, 4, False) and len(calls) == 4
