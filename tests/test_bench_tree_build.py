@@ -16,12 +16,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments import bench_tree_build  # noqa: E402
 
 
-def test_bench_tree_build_tiny_rows(tmp_path):
+def run_bench(tmp_path, argv) -> dict:
+    """``bench_tree_build.main(argv)`` writing to a file of ``tmp_path``: the JSON it wrote."""
     out = tmp_path / "tree_build.json"
-    argv = ["--vocab", "4096", "--depth", "3", "--budgets", "24,80", "--batches", "1,2", "--repeats", "2",
-            "--out", str(out)]
-    assert bench_tree_build.main(argv) == 0
-    result = json.loads(out.read_text())
+    assert bench_tree_build.main([*argv, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_tree_build_tiny_rows(tmp_path):
+    result = run_bench(tmp_path, ["--vocab", "4096", "--depth", "3", "--budgets", "24,80", "--batches", "1,2",
+                                  "--repeats", "2"])
     meta, rows = result["meta"], result["rows"]
     assert {"backend", "device", "jax", "date", "command", "dispatch_ms", "elapsed_s"} <= set(meta)
     assert meta["dispatch_ms"] > 0
@@ -49,22 +53,16 @@ def test_bench_tree_build_rejects_bad_flags(tmp_path):
 
 def test_bench_tree_build_topk_cap(tmp_path):
     """With ``--topk-cap`` each depth keeps the cap's tokens, and the kernel still builds the XLA path's tree."""
-    out = tmp_path / "tree_build.json"
-    argv = ["--vocab", "512", "--depth", "3", "--budgets", "8", "--batches", "2", "--repeats", "1",
-            "--topk-cap", "2", "--out", str(out)]
-    assert bench_tree_build.main(argv) == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    (row,) = run_bench(tmp_path, ["--vocab", "512", "--depth", "3", "--budgets", "8", "--batches", "2",
+                                  "--repeats", "1", "--topk-cap", "2"])["rows"]
     assert (row["topk_cap"], row["k"], row["kernel_equal"]) == (2, 2, True)
 
 
 def test_bench_tree_build_kernel_variants(tmp_path):
     """``--kernel-variants`` times the kernel with other launches, each where it takes the budget; every
     launch builds the same tree."""
-    out = tmp_path / "tree_build.json"
-    argv = ["--vocab", "512", "--depth", "3", "--budgets", "8,64", "--batches", "1", "--repeats", "1",
-            "--kernel-variants", "w2,c8,w16c64,c0", "--out", str(out)]
-    assert bench_tree_build.main(argv) == 0
-    small, large = json.loads(out.read_text())["rows"]
+    small, large = run_bench(tmp_path, ["--vocab", "512", "--depth", "3", "--budgets", "8,64", "--batches", "1",
+                                        "--repeats", "1", "--kernel-variants", "w2,c8,w16c64,c0"])["rows"]
     for v in ("w2", "c8", "w16c64", "c0"):
         assert small[f"kernel_{v}_equal"] is True and small[f"beam_kernel_{v}_in_loop_ms"] > 0
     assert small["beam_in_loop_ms"] > 0 and small["beam_kernel_in_loop_ms"] > 0
@@ -81,17 +79,16 @@ def test_bench_tree_build_kernel_variants(tmp_path):
 
 def test_bench_tree_build_top_k_variants(tmp_path):
     """``--top-k-variants`` times the radix top-k with other launches; each selects the same top-K."""
-    out = tmp_path / "tree_build.json"
-    argv = ["--vocab", "3000", "--depth", "2", "--budgets", "8", "--batches", "1", "--repeats", "1",
-            "--top-k-variants", "s4,b128w2s2", "--out", str(out)]
-    assert bench_tree_build.main(argv) == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    (row,) = run_bench(tmp_path, ["--vocab", "3000", "--depth", "2", "--budgets", "8", "--batches", "1",
+                                  "--repeats", "1", "--top-k-variants", "s4,b128w2s2"])["rows"]
     for v in ("s4", "b128w2s2"):
         assert row[f"top_k_kernel_{v}_exact"] is True and row[f"top_k_kernel_{v}_in_loop_ms"] > 0
     assert bench_tree_build.parse_top_k_variant("b512w4s32") == TopKConfig(block=512, num_warps=4, segments=32)
     assert bench_tree_build.parse_top_k_variant("s8") == TopKConfig(segments=8)
     assert bench_tree_build.parse_wide_variant("r16c256w8") == WideBuildConfig(rows=16, cols=256, num_warps=8)
-    with pytest.raises(ValueError, match="--wide-variants: a wide variant is r<rows>c<cols>e<entries>w<num_warps>"):
+    assert bench_tree_build.parse_wide_variant("g1") == WideBuildConfig(gather_keys=True)
+    with pytest.raises(ValueError, match="--wide-variants: a wide variant is "
+                                         "r<rows>c<cols>e<entries>w<num_warps>g<gather_keys>"):
         bench_tree_build.main(["--wide-variants", "w8r16", "--out", str(tmp_path / "x.json")])
     for bad, message in [("s8b512", "b<block>w<num_warps>s<segments> in that order"), ("b100", "block must be")]:
         with pytest.raises(ValueError, match=f"--top-k-variants: .*{message}"):
