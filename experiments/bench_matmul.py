@@ -10,7 +10,9 @@ kernel with the config the device's policy picks, and with ``--sweep`` a grid of
 the policy (weight tiles, K splits, pipeline depth), and with ``--match-xla`` the kernel with the tiles
 XLA's GEMM uses for the same product where that GEMM is a Triton one (read from its compiled HLO: does the
 kernel stream as fast as XLA's GEMM when tiled alike?; where XLA calls a library GEMM there are no tiles to
-copy, and the row says so), and with ``--mosaic`` the Mosaic GPU kernel (``matmul_mgpu``: TMA-fed wgmmas, its
+copy, and the row says so), with ``--split-k`` XLA's product written as a split-K of each count given
+(``split_product``: a batched GEMM over K's chunks and a sum; does another split stream faster than XLA's
+own choice?), and with ``--mosaic`` the Mosaic GPU kernel (``matmul_mgpu``: TMA-fed wgmmas, its
 prologue and epilogues as XLA ops; ``--mosaic-sweep`` a grid of its configs). Each result is checked
 against the reference first. Prints a table and writes JSON.
 
@@ -121,10 +123,12 @@ def mosaic_product(x_MK, w_KN, *, norm_K, gated, out_dtype, residual_MN, config)
 
 def product_fn(config, gated, norm, out_dtype, residual):
     """A jitted ``(x, norm_K, residual, ws) -> [x @ w for w in ws]`` (with the shape's prologue and
-    epilogues) on the kernel (a `MatmulConfig`), the Mosaic GPU kernel (a `MosaicMatmulConfig`) or XLA
-    (``None``)."""
+    epilogues) on the kernel (a `MatmulConfig`), the Mosaic GPU kernel (a `MosaicMatmulConfig`), XLA
+    (``None``) or XLA's product written as a split-K of that many chunks (an int)."""
     if config is None:
         fn = matmul_reference
+    elif isinstance(config, int):
+        fn = functools.partial(matmul_reference, splits=config)
     elif isinstance(config, MosaicMatmulConfig):
         fn = functools.partial(mosaic_product, config=config)
     else:
@@ -185,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--match-xla", action="store_true",
                    help="also time the kernel tiled as XLA's GEMM of each product where that is a Triton GEMM "
                         "(read from its HLO)")
+    p.add_argument("--split-k", type=int_list, default=[],
+                   help="also time XLA's product as an explicit split-K of each of these chunk counts (those that "
+                        "divide K)")
     p.add_argument("--mosaic", action="store_true",
                    help=f"also time the Mosaic GPU kernel (TMA-fed, Hopper; rows <= {MOSAIC_ROWS}; its RMSNorm, SwiGLU "
                         "and residual run as XLA ops)")
@@ -207,6 +214,7 @@ def main(argv=None) -> int:
         k, n, gated, *_ = SHAPES[name]
         for m in args.rows:
             impls = {"xla": None, "kernel": configs.matmul_config(policy, m, k, n, gated)}
+            impls.update({f"xla_split{s}": s for s in args.split_k if k % s == 0})
             if args.sweep and m <= args.sweep_rows:
                 impls.update(sweep_configs(policy, m, k, n, gated))
             if args.mosaic and m <= MOSAIC_ROWS:
@@ -236,7 +244,7 @@ def main(argv=None) -> int:
             _, _, impl, config = job
             fn = compiled[job]
             row = dict(shape=name, m=m, k=k, n=n, impl=impl,
-                       config=None if config is None else dataclasses.asdict(config))
+                       config=config if config is None or isinstance(config, int) else dataclasses.asdict(config))
             if isinstance(fn, str):
                 row.update(error=fn, ok=False)
                 print(f"{name:8s} M={m:4d} {impl:22s} failed: {fn[:100]}", flush=True)

@@ -25,8 +25,22 @@ def swiglu(gate_up):
     return jax.nn.silu(gate) * up
 
 
+def split_product(x_MK, w_KN, splits: int = 1):
+    """``x @ w`` accumulated in float32 as ``splits`` products over equal chunks of K, summed
+    (split-K written out: XLA runs the chunks as one batched GEMM, the sum as a fusion after it):
+    ``[M, N]`` float32. ``splits`` must divide K."""
+    m, k = x_MK.shape
+    if splits == 1:
+        return jnp.matmul(x_MK, w_KN, preferred_element_type=jnp.float32)
+    if splits < 1 or k % splits:
+        raise ValueError(f"splits must be a positive divisor of K={k}, got {splits}")
+    x_SMC = x_MK.reshape(m, splits, k // splits).transpose(1, 0, 2)
+    w_SCN = w_KN.reshape(splits, k // splits, w_KN.shape[1])
+    return jnp.einsum("smc,scn->smn", x_SMC, w_SCN, preferred_element_type=jnp.float32).sum(axis=0)
+
+
 def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None,
-                     residual_MN=None):
+                     residual_MN=None, splits=1):
     """``x @ w`` accumulated in float32, with an optional prologue and epilogue.
 
     Args:
@@ -41,6 +55,7 @@ def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtyp
       columns: optional static ``(start, stop)``: the product with ``w[:, start:stop]`` only.
       residual_MN: optional ``[M, N]`` (``[M, N / 2]`` when gated) in the result's dtype, added to the
         result (a residual connection).
+      splits: the product as `split_product` of this many K chunks (1: one product).
 
     Returns:
       ``[M, N]`` (``[M, N / 2]`` when ``gated``).
@@ -50,6 +65,6 @@ def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtyp
         w_KN = w_KN[:, columns[0]:columns[1]]
     if norm_K is not None:
         x_MK = rms_norm(x_MK, norm_K, eps)
-    y_MN = jnp.matmul(x_MK, w_KN, preferred_element_type=jnp.float32).astype(out_dtype)
+    y_MN = split_product(x_MK, w_KN, splits).astype(out_dtype)
     y_MN = swiglu(y_MN) if gated else y_MN
     return y_MN if residual_MN is None else residual_MN + y_MN

@@ -168,3 +168,49 @@ def test_benchmark_reads_xla_gemm_tiles_from_hlo():
         "xla_tiles": dataclasses.replace(tiles["xla_tiles"], block_m=32)}
     assert xla_gemm_config("%custom-call = (bf16[16,4096]) custom-call(...), custom_call_target=\"__cublas$gemm\"",
                            16, 4096, gated=False) == {}
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 20), chunk=st.integers(1, 24), splits=st.sampled_from([1, 2, 3, 4, 8]),
+       n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_split_product_is_the_product_summed_over_k_chunks(m, chunk, splits, n, seed):
+    """`split_product` (``bench_matmul.py --split-k``): the float32 product of every K chunk, summed, equals
+    the product in float64 within float32 rounding, and ``matmul_reference(splits=...)`` rounds it as its
+    one-product form does."""
+    from pallas_kernels.matmul_reference import split_product
+
+    x, w, _ = operands(seed, m, chunk * splits, n)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    got = split_product(x, w, splits)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    assert_close(matmul_reference(xb, wb, splits=splits), matmul_reference(xb, wb), jnp.bfloat16)
+
+
+def test_split_product_rejects_a_count_that_does_not_divide_k():
+    from pallas_kernels.matmul_reference import split_product
+
+    x, w, _ = operands(0, 2, 12, 3)
+    for splits in (0, 5, -2):
+        with pytest.raises(ValueError, match=f"splits must be a positive divisor of K=12, got {splits}"):
+            split_product(x, w, splits)
+
+
+def test_benchmark_times_xla_split_k_variants(tmp_path):
+    """`bench_matmul.py --split-k 2,3,4`: a row per count that divides K, each XLA's product checked against
+    the one-product reference."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.bench_matmul import SHAPES, main
+
+    out = tmp_path / "bench.json"
+    main(["--rows", "2", "--shapes", "o", "--split-k", "2,3,4", "--copies", "1", "--calls", "1", "--repeats", "1",
+          "--out", str(out)])
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    assert SHAPES["o"][0] % 3  # K = 4096: 3 does not divide it, so no row
+    assert set(rows) == {"xla", "kernel", "xla_split2", "xla_split4"}
+    assert rows["xla_split4"]["config"] == 4 and rows["xla_split2"]["ok"] and rows["xla_split4"]["ok"]
