@@ -29,7 +29,11 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
                 Qwen3-8B projection but one on an H200 (BENCHMARKS.md);
                 on sm_90 without a mesh, products of fewer than 16 rows
                 are zero-padded to 16 (`XLA_MIN_ROWS`: the decode step
-                6.91 -> 6.44 ms on an H200)
+                6.91 -> 6.44 ms on an H200), and products of 17 rows or
+                more with a residual and the next RMSNorm are a split-K
+                finished by the `residual_norm` kernel
+                (`RESIDUAL_NORM_MIN_ROWS`: the DDTree rounds' device time
+                1.4-2.1% less on an H100)
   sampler       pallas without a mesh; xla under a mesh (XLA partitions    xla
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========
@@ -67,10 +71,12 @@ from pallas_kernels.kv_write import kernel_supports as kv_write_supports
 from pallas_kernels.kv_write import kv_write
 from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul import matmul
-from pallas_kernels.matmul_reference import matmul_reference
+from pallas_kernels.matmul_reference import matmul_reference, split_partials
 from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
 from pallas_kernels.qk_norm_rope import kernel_supports as qk_norm_rope_supports
 from pallas_kernels.qk_norm_rope_reference import check_queries, qk_norm_rope_reference
+from pallas_kernels.residual_norm import kernel_supports as residual_norm_supports
+from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.tree_attention import kernel_supports, tree_attention
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_build import kernel_supports as tree_build_supports
@@ -207,46 +213,87 @@ def qk_norm_rope_write_fn(impl: str, mesh: Mesh | None = None):
 # (experiments/bench_models.py --matmul-impls xla,auto): the batch-1 decode forward, whose products
 # have one row, took 5.35 ms of device time as it is and 4.98 ms padded to 16 rows (BENCHMARKS.md).
 XLA_MIN_ROWS = {(9, 0): 16}
+# From this many rows, a product with a residual whose result the next product normalises (the attention
+# output and down projections) runs as a split-K of `RESIDUAL_NORM_SPLITS` K chunks whose partials the
+# `residual_norm` kernel sums, adds to the residual and normalises in one launch (``auto`` without a mesh).
+# On an H200 the kernel took 3.5 us against XLA's two fusions' 5.2 at 64 rows, and 2.8 against 3.0 at 16;
+# inside the rounds on an H100 the DDTree rounds at B = 16 / 63 / 64 (17 to 65 rows) took 1.4-2.1% less
+# device time (BENCHMARKS.md). Fewer rows come padded (`XLA_MIN_ROWS`), and padding the normalised rows
+# again for the next product would cost a launch. 4 chunks: XLA's product at 64 rows was as fast or faster
+# with 4 as with its own split (8 at 16 rows), and the kernel reads half the partials.
+RESIDUAL_NORM_MIN_ROWS = {(9, 0): 17}
+RESIDUAL_NORM_SPLITS = 4
 
 
 def matmul_fn(impl: str, mesh: Mesh | None = None):
-    """The projection of ``impl`` (see the module docstring), with the signature of
-    ``matmul_reference``: ``fn(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None,
-    columns=None, residual_MN=None)``. ``auto`` is XLA everywhere (measured), its products of few
-    rows padded (`XLA_MIN_ROWS`) on a GPU listed there and without a mesh; ``"pallas"`` is the
-    skinny-matmul kernel, tiled by the device's `configs.matmul_policy`; it is not partitioned, so
-    under a ``mesh`` only the XLA path runs."""
+    """The projection of ``impl`` (see the module docstring), with the signature of ``matmul_reference``:
+    ``fn(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None, residual_MN=None,
+    then_norm_N=None)``; with ``then_norm_N`` (the next product's RMSNorm weight) it returns ``(result,
+    normed)``, ``normed`` being ``rms_norm(result, then_norm_N, eps)`` where the implementation computes it
+    with the product and ``None`` where it leaves it to the next product's prologue.
+
+    ``auto`` is XLA everywhere (measured): its products of few rows padded (`XLA_MIN_ROWS`) on a GPU
+    listed there and without a mesh, and its products of many rows with a residual and ``then_norm_N``
+    finished by the `residual_norm` kernel (`residual_norm_product`, `RESIDUAL_NORM_MIN_ROWS`);
+    ``"pallas"`` is the skinny-matmul kernel, tiled by the device's `configs.matmul_policy`; it is not
+    partitioned, so under a ``mesh`` only the XLA path runs."""
     impl = check_impl("matmul_impl", impl)
     if impl in ("xla", "auto"):
-        min_rows = XLA_MIN_ROWS.get(configs.device_capability()) if impl == "auto" and mesh is None else None
-        return matmul_reference if min_rows is None else rows_padded(matmul_reference, min_rows)
+        capability = configs.device_capability()
+        local = impl == "auto" and mesh is None
+        min_rows = XLA_MIN_ROWS.get(capability) if local else None
+        product = matmul_reference if min_rows is None else rows_padded(matmul_reference, min_rows)
+        norm_rows = RESIDUAL_NORM_MIN_ROWS.get(capability) if local and pallas_gpu() else None
+        return product if norm_rows is None else residual_norm_product(product, norm_rows, RESIDUAL_NORM_SPLITS)
     if mesh is not None:
         raise ValueError(f"matmul_impl={impl!r} does not run under a mesh (the kernel is not partitioned); "
                          f"use 'auto' or 'xla'")
     policy = configs.matmul_policy(_kernel_capability(impl))
 
-    def product(x_MK, w_KN, *, columns=None, gated=False, **kwargs):
+    def product(x_MK, w_KN, *, columns=None, gated=False, then_norm_N=None, **kwargs):
         m, k = x_MK.shape
         n = w_KN.shape[1] if columns is None else columns[1] - columns[0]
-        return matmul(x_MK, w_KN, columns=columns, gated=gated, config=configs.matmul_config(policy, m, k, n, gated),
+        y_MN = matmul(x_MK, w_KN, columns=columns, gated=gated, config=configs.matmul_config(policy, m, k, n, gated),
                       interpret=impl == "interpret", **kwargs)
+        return y_MN if then_norm_N is None else (y_MN, None)
 
     return product
 
 
 def rows_padded(product, min_rows: int):
     """``product`` (the signature of ``matmul_reference``) run on ``x`` zero-padded to ``min_rows``
-    rows when it has fewer, the result cut back to ``x``'s rows. Rows of a product are independent,
-    so only the GEMM that XLA picks for the shape changes."""
+    rows when it has fewer, the result (each array of it, with ``then_norm_N``) cut back to ``x``'s rows.
+    Rows of a product are independent, so only the GEMM that XLA picks for the shape changes."""
     def padded(x_MK, w_KN, *, residual_MN=None, **kwargs):
         m = x_MK.shape[0]
         if m >= min_rows:
             return product(x_MK, w_KN, residual_MN=residual_MN, **kwargs)
         rows = ((0, min_rows - m), (0, 0))
         residual = None if residual_MN is None else jnp.pad(residual_MN, rows)
-        return product(jnp.pad(x_MK, rows), w_KN, residual_MN=residual, **kwargs)[:m]
+        out = product(jnp.pad(x_MK, rows), w_KN, residual_MN=residual, **kwargs)
+        return tuple(None if y is None else y[:m] for y in out) if isinstance(out, tuple) else out[:m]
 
     return padded
+
+
+def residual_norm_product(product, min_rows: int, splits: int, interpret: bool = False):
+    """``product`` (the signature of ``matmul_reference``), except that a plain product of at least
+    ``min_rows`` rows with a residual and ``then_norm_N`` runs as `split_partials` of ``splits`` K chunks
+    finished by the `residual_norm` kernel (``interpret``: in the Pallas interpreter): ``(residual +
+    product, its RMSNorm)``, where the kernel applies (`residual_norm.kernel_supports`, ``splits`` dividing
+    K, one dtype; decided when traced)."""
+    def fused(x_MK, w_KN, *, residual_MN=None, then_norm_N=None, eps=1e-6, **kwargs):
+        m, k = x_MK.shape
+        plain = all(v is None or v is False for v in kwargs.values())  # no prologue, SwiGLU, columns, out dtype
+        applies = (plain and residual_MN is not None and then_norm_N is not None and m >= min_rows
+                   and k % splits == 0 and x_MK.dtype == residual_MN.dtype == then_norm_N.dtype
+                   and residual_norm_supports(jax.ShapeDtypeStruct((splits, m, w_KN.shape[1]), jnp.float32)))
+        if not applies:
+            return product(x_MK, w_KN, residual_MN=residual_MN, then_norm_N=then_norm_N, eps=eps, **kwargs)
+        return residual_norm(split_partials(x_MK, w_KN, splits), residual_MN, then_norm_N, eps=eps,
+                             interpret=interpret)
+
+    return fused
 
 
 def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None = None):

@@ -21,9 +21,13 @@ device, over shapes too large for the CPU.
   projections' shapes and 1, 16 and 64 rows, and the LM head at 16, within the same tolerance.
 - ``forward_auto``: whole target forwards (Qwen3-8B layers, four of them, random bf16 weights) with
   ``matmul_impl="auto"`` and ``attention_impl="auto"`` (on sm_90 every product of fewer than 16 rows
-  zero-padded to 16; the attention and K/V-write kernels) against ``"xla"`` for both: decode steps at
-  batch 1 and 3 and a 16-node verify; logits, taps and the new cache entries within 5% of their
-  scale (bf16 roundings compound over the layers).
+  zero-padded to 16, the output and down products of 17 rows or more finished by the ``residual_norm``
+  kernel; the attention and K/V-write kernels) against ``"xla"`` for both: decode steps at batch 1 and 3
+  and 16- and 64-node verifies; logits, taps and the new cache entries within 5% of their scale (bf16
+  roundings compound over the layers).
+- ``residual_norm``: the split-K sum + residual + RMSNorm kernel (``pallas_kernels.residual_norm``)
+  against its reference at the hidden sizes of Qwen3-8B and smaller models, 1 to 520 rows, 2 to 8
+  partials, bf16 and fp32: both outputs within 1% of their scale (a rounding).
 - ``drafter_auto``: drafter passes (Qwen3-8B-shaped layers, two of them, a 16-slot block, random bf16
   weights) with ``"auto"`` against ``"xla"``: each layer's one product over the context rows and the
   block, the K/V of both written by the norm + RoPE + write kernel, the block's queries attending with a
@@ -83,6 +87,8 @@ from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul_mgpu import matmul_mgpu
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, qk_norm_rope_write_reference, rope_tables
+from pallas_kernels.residual_norm import residual_norm
+from pallas_kernels.residual_norm_reference import residual_norm_reference
 from pallas_kernels.top_k import TopKConfig, top_k
 from pallas_kernels.top_k_reference import top_k_reference
 from pallas_kernels.tree_attention import tree_attention
@@ -216,7 +222,7 @@ def within_scale(got: dict, want: dict, tolerance: float = 0.05) -> dict:
 
 
 # (batch, rows per request)
-FORWARD_CASES = [(1, 1), (3, 1), (1, 16)]
+FORWARD_CASES = [(1, 1), (3, 1), (1, 16), (1, 64)]
 
 
 def check_forward(shapes=None, cases=FORWARD_CASES, layers=4, context=40):
@@ -245,6 +251,29 @@ def check_forward(shapes=None, cases=FORWARD_CASES, layers=4, context=40):
             return within_scale(outputs("auto"), outputs("xla"))
 
         records.append(_run_case(record, check))
+    return records
+
+
+# (partials S, rows P, width N, dtype) of the residual_norm kernel
+RESIDUAL_NORM_CASES = [(4, 17, 4096, "bfloat16"), (4, 64, 4096, "bfloat16"), (8, 65, 4096, "bfloat16"),
+                       (2, 520, 4096, "bfloat16"), (4, 3, 2048, "float32"), (8, 1, 1024, "bfloat16")]
+
+
+def check_residual_norm(interpret=False, cases=RESIDUAL_NORM_CASES):
+    """The split-K sum + residual + RMSNorm kernel (compiled, or ``interpret``) against its reference."""
+    records = []
+    for seed, (splits, rows, cols, dtype) in enumerate(cases):
+        keys = jax.random.split(jax.random.key(seed), 3)
+        partials = jax.random.normal(keys[0], (splits, rows, cols), jnp.float32)
+        residual = (3 * jax.random.normal(keys[1], (rows, cols))).astype(dtype)
+        norm = (1 + 0.1 * jax.random.normal(keys[2], (cols,))).astype(dtype)
+
+        def check(args=(partials, residual, norm)):
+            got = residual_norm(*args, eps=1e-6, interpret=interpret)
+            want = residual_norm_reference(*args, eps=1e-6)
+            return within_scale(dict(x=got[0], normed=got[1]), dict(x=want[0], normed=want[1]), tolerance=0.01)
+
+        records.append(_run_case(dict(part="residual_norm", splits=splits, rows=rows, cols=cols, dtype=dtype), check))
     return records
 
 
@@ -558,7 +587,7 @@ def _check_attention_backend(record, args, scale, ref, backend):
 
 BACKENDS = ("triton", "triton_by_length", "mosaic")
 PARTS = ("attention", "sampling", "matmul", "matmul_auto", "matmul_mosaic", "forward_auto", "drafter_auto", "rope",
-         "rope_write", "kv_write", "tree_build", "top_k")
+         "rope_write", "kv_write", "residual_norm", "tree_build", "top_k")
 
 
 def main(argv=None):
@@ -575,7 +604,7 @@ def main(argv=None):
                   matmul_auto=functools.partial(check_matmul, impl="auto"), matmul_mosaic=check_matmul_mosaic,
                   forward_auto=check_forward,
                   drafter_auto=check_drafter, rope=check_rope, rope_write=check_rope_write, kv_write=check_kv_write,
-                  tree_build=check_tree_build, top_k=check_top_k)
+                  residual_norm=check_residual_norm, tree_build=check_tree_build, top_k=check_top_k)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

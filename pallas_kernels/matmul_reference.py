@@ -25,22 +25,27 @@ def swiglu(gate_up):
     return jax.nn.silu(gate) * up
 
 
-def split_product(x_MK, w_KN, splits: int = 1):
-    """``x @ w`` accumulated in float32 as ``splits`` products over equal chunks of K, summed
-    (split-K written out: XLA runs the chunks as one batched GEMM, the sum as a fusion after it):
-    ``[M, N]`` float32. ``splits`` must divide K."""
+def split_partials(x_MK, w_KN, splits: int):
+    """The float32 products of ``x`` and ``w`` over ``splits`` equal chunks of K (split-K written out, which
+    XLA runs as one batched GEMM): ``[S, M, N]``, whose sum is ``x @ w``. ``splits`` must divide K."""
     m, k = x_MK.shape
-    if splits == 1:
-        return jnp.matmul(x_MK, w_KN, preferred_element_type=jnp.float32)
     if splits < 1 or k % splits:
         raise ValueError(f"splits must be a positive divisor of K={k}, got {splits}")
     x_SMC = x_MK.reshape(m, splits, k // splits).transpose(1, 0, 2)
     w_SCN = w_KN.reshape(splits, k // splits, w_KN.shape[1])
-    return jnp.einsum("smc,scn->smn", x_SMC, w_SCN, preferred_element_type=jnp.float32).sum(axis=0)
+    return jnp.einsum("smc,scn->smn", x_SMC, w_SCN, preferred_element_type=jnp.float32)
+
+
+def split_product(x_MK, w_KN, splits: int = 1):
+    """``x @ w`` accumulated in float32, as one product (``splits = 1``) or as `split_partials` summed (a
+    fusion after XLA's batched GEMM): ``[M, N]`` float32."""
+    if splits == 1:
+        return jnp.matmul(x_MK, w_KN, preferred_element_type=jnp.float32)
+    return split_partials(x_MK, w_KN, splits).sum(axis=0)
 
 
 def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None,
-                     residual_MN=None, splits=1):
+                     residual_MN=None, splits=1, then_norm_N=None):
     """``x @ w`` accumulated in float32, with an optional prologue and epilogue.
 
     Args:
@@ -56,9 +61,12 @@ def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtyp
       residual_MN: optional ``[M, N]`` (``[M, N / 2]`` when gated) in the result's dtype, added to the
         result (a residual connection).
       splits: the product as `split_product` of this many K chunks (1: one product).
+      then_norm_N: optional ``[N]`` RMSNorm weight of the next product, which an implementation may apply
+        to the result with this product (``ddtree_jax.kernels.residual_norm_product``); this one leaves
+        it to the next product's prologue.
 
     Returns:
-      ``[M, N]`` (``[M, N / 2]`` when ``gated``).
+      ``[M, N]`` (``[M, N / 2]`` when ``gated``); with ``then_norm_N``, ``(result, None)``.
     """
     out_dtype = x_MK.dtype if out_dtype is None else out_dtype
     if columns is not None:
@@ -67,4 +75,5 @@ def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtyp
         x_MK = rms_norm(x_MK, norm_K, eps)
     y_MN = split_product(x_MK, w_KN, splits).astype(out_dtype)
     y_MN = swiglu(y_MN) if gated else y_MN
-    return y_MN if residual_MN is None else residual_MN + y_MN
+    y_MN = y_MN if residual_MN is None else residual_MN + y_MN
+    return y_MN if then_norm_N is None else (y_MN, None)

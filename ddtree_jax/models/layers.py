@@ -46,10 +46,14 @@ def layer_shape(config) -> LayerShape:
 
 def project(matmul, x_BNK, w_KN, *, residual_BNM=None, **kwargs):
     """``matmul`` (a `kernels.matmul_fn`, see ``matmul_reference`` for ``kwargs``) over the rows of
-    ``x [B, N, K]``, plus ``residual [B, N, M]`` if given: ``[B, N, M]``."""
+    ``x [B, N, K]``, plus ``residual [B, N, M]`` if given: ``[B, N, M]`` (with ``then_norm_N``, the pair
+    ``matmul`` returns, each array ``[B, N, M]``)."""
     batch, num = x_BNK.shape[:2]
     residual_MN = None if residual_BNM is None else residual_BNM.reshape(batch * num, -1)
-    return matmul(x_BNK.reshape(batch * num, -1), w_KN, residual_MN=residual_MN, **kwargs).reshape(batch, num, -1)
+    out = matmul(x_BNK.reshape(batch * num, -1), w_KN, residual_MN=residual_MN, **kwargs)
+    if isinstance(out, tuple):
+        return tuple(None if y is None else y.reshape(batch, num, -1) for y in out)
+    return out.reshape(batch, num, -1)
 
 
 def key_value(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=matmul_reference):
@@ -98,34 +102,47 @@ class HeadInputs:
 
 
 def attention_inputs(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, matmul=matmul_reference,
-                     context_BCD=None) -> HeadInputs:
+                     context_BCD=None, normed_BND=None) -> HeadInputs:
     """Input norm and the fused q/k/v projection of a decoder layer (one product, the norm as its
-    prologue), with the layer's q/k norms and the forward's ``(cos, sin)`` `rope_tables` ``rope_BNF``.
-    With ``context [B, C, D]``, those rows, not normalised, come first in the same product (its
-    ``[B, C + N, ...]`` rows; ``rope_BNF`` covers them first)."""
-    if context_BCD is None:
+    prologue, or ``normed [B, N, D]``, ``x`` normalised already), with the layer's q/k norms and the
+    forward's ``(cos, sin)`` `rope_tables` ``rope_BNF``. With ``context [B, C, D]``, those rows, not
+    normalised, come first in the same product (its ``[B, C + N, ...]`` rows; ``rope_BNF`` covers them
+    first)."""
+    if context_BCD is None and normed_BND is None:
         qkv_BNC = project(matmul, x_BND, layer.wqkv, norm_K=layer.input_norm, eps=shape.rms_norm_eps)
+    elif context_BCD is None:
+        qkv_BNC = project(matmul, normed_BND, layer.wqkv)
     else:
-        rows_BXD = jnp.concatenate([context_BCD, rms_norm(x_BND, layer.input_norm, shape.rms_norm_eps)], axis=1)
-        qkv_BNC = project(matmul, rows_BXD, layer.wqkv)
+        if normed_BND is None:
+            normed_BND = rms_norm(x_BND, layer.input_norm, shape.rms_norm_eps)
+        qkv_BNC = project(matmul, jnp.concatenate([context_BCD, normed_BND], axis=1), layer.wqkv)
     return HeadInputs(qkv_BNC, layer.q_norm, layer.k_norm, *rope_BNF, heads=shape.num_attention_heads,
                       kv_heads=shape.num_key_value_heads, eps=shape.rms_norm_eps)
 
 
-def dense_mlp(layer: DecoderLayer, x_BND, shape: LayerShape, matmul=matmul_reference):
-    """The SwiGLU MLP block and its residual: ``x + down(swiglu(rms_norm(x) @ w_gate_up))``, the
-    norm the gate/up product's prologue, SwiGLU its epilogue and the residual add the down
-    product's epilogue."""
-    h_BNI = project(matmul, x_BND, layer.w_gate_up, norm_K=layer.post_norm, eps=shape.rms_norm_eps, gated=True)
-    return project(matmul, h_BNI, layer.w_down, residual_BNM=x_BND)
+def dense_mlp(layer: DecoderLayer, x_BND, shape: LayerShape, matmul=matmul_reference, h_BND=None, then_norm_D=None):
+    """The SwiGLU MLP block and its residual: ``x + down(swiglu(h @ w_gate_up))``, ``h = rms_norm(x,
+    post_norm)`` (given, or the gate/up product's prologue), SwiGLU that product's epilogue and the
+    residual add the down product's. Returns the new ``x`` and, for ``then_norm [D]`` (the next layer's
+    input norm), its RMSNorm where ``matmul`` computes it with the down product (else ``None``)."""
+    if h_BND is None:
+        g_BNI = project(matmul, x_BND, layer.w_gate_up, norm_K=layer.post_norm, eps=shape.rms_norm_eps, gated=True)
+    else:
+        g_BNI = project(matmul, h_BND, layer.w_gate_up, gated=True)
+    if then_norm_D is None:
+        return project(matmul, g_BNI, layer.w_down, residual_BNM=x_BND), None
+    return project(matmul, g_BNI, layer.w_down, residual_BNM=x_BND, then_norm_N=then_norm_D, eps=shape.rms_norm_eps)
 
 
-def layer_output(layer, x_BND, attn_BNHD, shape: LayerShape, matmul=matmul_reference, mlp=dense_mlp):
-    """The rest of a decoder layer after attention: output projection and residual (its epilogue),
-    then ``mlp(layer, x_BND, shape, matmul)``, the MLP block with its residual (`dense_mlp`, or
-    `moe.decoder_mlp`'s choice per layer type)."""
-    x_BND = project(matmul, attn_BNHD.reshape(*x_BND.shape[:2], -1), layer.wo, residual_BNM=x_BND)
-    return mlp(layer, x_BND, shape, matmul)
+def layer_output(layer, x_BND, attn_BNHD, shape: LayerShape, matmul=matmul_reference, mlp=dense_mlp,
+                 then_norm_D=None):
+    """The rest of a decoder layer after attention: output projection and residual (its epilogue), with
+    the RMSNorm of the result where ``matmul`` computes it, then ``mlp(layer, x_BND, shape, matmul, h_BND,
+    then_norm_D)``, the MLP block with its residual (`dense_mlp`, or `moe.decoder_mlp`'s choice per layer
+    type). Returns the layer's output and its RMSNorm by ``then_norm [D]`` where computed (else ``None``)."""
+    x_BND, h_BND = project(matmul, attn_BNHD.reshape(*x_BND.shape[:2], -1), layer.wo, residual_BNM=x_BND,
+                           then_norm_N=layer.post_norm, eps=shape.rms_norm_eps)
+    return mlp(layer, x_BND, shape, matmul, h_BND, then_norm_D)
 
 
 def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads: bool = True):
@@ -178,19 +195,23 @@ def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, t
     ``attend(i, inputs, state) -> (out_BNHD, state)`` does layer i's attention from its `HeadInputs`
     (the q/k/v projection; the q/k norms and RoPE, whose tables are computed once per forward, are the
     step's own, with any cache writes threaded through ``state``); ``matmul`` (a `kernels.matmul_fn`)
-    does the projections; ``mlp`` the MLP block (see `layer_output`). ``context [B, C, D]``: rows
+    does the projections, each layer's last one also its output's RMSNorm by the next layer's input norm
+    where ``matmul`` computes it (`kernels.residual_norm_product`); ``mlp`` the MLP block (see
+    `layer_output`). ``context [B, C, D]``: rows
     whose keys and values join every layer's (the DFlash drafter's context features, the same at every
     layer): they come first in the inputs ``attend`` gets (`attention_inputs`; ``positions [B, C + N]``
     covers them first), which returns the outputs of the last ``N`` rows alone. Returns the final hidden
     ``[B, N, D]`` (before the final norm), the list of hidden states after each layer id in
     ``tap_layers`` (in that order) and the state.
     """
-    taps = {}
+    taps, normed_BND = {}, None
     rope_BNF = rope_tables(positions_BN, shape.head_dim, shape.rope_theta)
     for i, layer in enumerate(layers):
+        then_norm_D = layers[i + 1].input_norm if i + 1 < len(layers) else None
         with jax.named_scope(f"layer_{i}"):
-            attn_BNHD, state = attend(i, attention_inputs(layer, x_BND, rope_BNF, shape, matmul, context_BCD), state)
-            x_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul, mlp)
+            inputs = attention_inputs(layer, x_BND, rope_BNF, shape, matmul, context_BCD, normed_BND)
+            attn_BNHD, state = attend(i, inputs, state)
+            x_BND, normed_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul, mlp, then_norm_D)
         taps[i] = x_BND
     return x_BND, [taps[i] for i in tap_layers], state
 

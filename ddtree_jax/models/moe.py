@@ -80,12 +80,15 @@ def expert_parallel(mesh: Mesh):
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens)
 
 
-def moe_mlp(layer: MoeDecoderLayer, x_BND, shape: L.LayerShape, mesh: Mesh | None = None, routes=None):
-    """The sparse MLP block and its residual: ``x + experts(rms_norm(x, post_norm))`` routed by
-    `route`, computed by `grouped_experts` (expert-parallel over ``mesh`` when given). With a list
-    ``routes``, the expert ids ``[B, N, k]`` are appended to it (while tracing)."""
+def moe_mlp(layer: MoeDecoderLayer, x_BND, shape: L.LayerShape, mesh: Mesh | None = None, routes=None,
+            h_BND=None):
+    """The sparse MLP block and its residual: ``x + experts(h)``, ``h = rms_norm(x, post_norm)`` (or
+    ``h [B, N, D]`` given, computed already), routed by `route`, computed by `grouped_experts`
+    (expert-parallel over ``mesh`` when given). With a list ``routes``, the expert ids ``[B, N, k]`` are
+    appended to it (while tracing)."""
     batch, num, dim = x_BND.shape
-    h_MD = rms_norm(x_BND.reshape(batch * num, dim), layer.post_norm, shape.rms_norm_eps)
+    h_MD = rms_norm(x_BND, layer.post_norm, shape.rms_norm_eps) if h_BND is None else h_BND
+    h_MD = h_MD.reshape(batch * num, dim)
     weights_MK, experts_MK = route(h_MD, layer.router, shape.num_experts_per_tok, shape.norm_topk_prob)
     if routes is not None:
         routes.append(experts_MK.reshape(batch, num, -1))
@@ -96,11 +99,12 @@ def moe_mlp(layer: MoeDecoderLayer, x_BND, shape: L.LayerShape, mesh: Mesh | Non
 
 def decoder_mlp(mesh: Mesh | None = None, routes=None):
     """The ``mlp`` of `layers.run_decoder` for a target: `moe_mlp` for a `MoeDecoderLayer`
-    (``mesh``, ``routes``: see there), `layers.dense_mlp` for a dense layer."""
-    def mlp(layer, x_BND, shape, matmul):
+    (``mesh``, ``routes``: see there; the next layer's input norm is left to its q/k/v product),
+    `layers.dense_mlp` for a dense layer."""
+    def mlp(layer, x_BND, shape, matmul, h_BND=None, then_norm_D=None):
         if isinstance(layer, MoeDecoderLayer):
-            return moe_mlp(layer, x_BND, shape, mesh, routes)
-        return L.dense_mlp(layer, x_BND, shape, matmul)
+            return moe_mlp(layer, x_BND, shape, mesh, routes, h_BND), None
+        return L.dense_mlp(layer, x_BND, shape, matmul, h_BND, then_norm_D)
 
     return mlp
 
