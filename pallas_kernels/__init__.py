@@ -10,6 +10,8 @@
   plain product with the weights streamed by TMA into warpgroup MMAs.
 - ``kv_write``: a forward's new keys and values into the stacked KV caches, in place; reference
   ``kv_write_reference``.
+- ``residual_norm``: a split-K product's partials summed, its residual added and the next RMSNorm
+  applied, in one launch; reference ``residual_norm_reference``.
 - ``qk_norm_rope``: a layer's q/k/v split, per-head q/k RMSNorm and RoPE in one launch; reference
   ``qk_norm_rope_reference``. ``qk_norm_rope_write``: the same with the keys and values stored into
   the KV cache; reference ``qk_norm_rope_write_reference``.
@@ -31,6 +33,8 @@ from pallas_kernels.matmul_mgpu import matmul_mgpu
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
 from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, qk_norm_rope_write_reference
+from pallas_kernels.residual_norm import residual_norm
+from pallas_kernels.residual_norm_reference import residual_norm_reference
 from pallas_kernels.top_k import top_k
 from pallas_kernels.top_k_reference import top_k_reference
 from pallas_kernels.tree_attention import tree_attention
@@ -42,6 +46,6 @@ from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample
 
 __all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "kv_write", "kv_write_reference", "matmul",
            "matmul_mgpu", "matmul_reference", "qk_norm_rope", "qk_norm_rope_reference", "qk_norm_rope_write",
-           "qk_norm_rope_write_reference", "top_k", "top_k_reference", "tree_attention", "tree_attention_config",
-           "tree_attention_reference", "tree_nodes", "tree_nodes_reference", "tree_nodes_wide", "tree_sample",
-           "tree_sample_reference"]
+           "qk_norm_rope_write_reference", "residual_norm", "residual_norm_reference", "top_k", "top_k_reference",
+           "tree_attention", "tree_attention_config", "tree_attention_reference", "tree_nodes",
+           "tree_nodes_reference", "tree_nodes_wide", "tree_sample", "tree_sample_reference"]
