@@ -112,9 +112,12 @@ def dropout_logits(target: Target, tokens_BT, key, rate: float):
                              causal_BTT, scale=cfg.head_dim ** -0.5)
         return dropout(jax.random.fold_in(key_attn, i), out_BTHD, rate), state
 
-    def mlp(layer, x_BTD, shape, matmul):  # layers.dense_mlp with dropout before its residual add
+    def mlp(layer, x_BTD, shape, matmul, h_BTD=None, then_norm_D=None):
+        """`layers.dense_mlp` with dropout before its residual add; its norm is its own product's prologue, and
+        the next layer's input norm is left to that layer (reference products give no normalised rows)."""
+        del h_BTD, then_norm_D
         h_BTI = L.project(matmul, x_BTD, layer.w_gate_up, norm_K=layer.post_norm, eps=shape.rms_norm_eps, gated=True)
-        return x_BTD + dropout(next(mlp_keys), L.project(matmul, h_BTI, layer.w_down), rate)
+        return x_BTD + dropout(next(mlp_keys), L.project(matmul, h_BTI, layer.w_down), rate), None
 
     logits_BTV, _, _ = run_layers(target, tokens_BT, positions_BT, attend, None, (), mlp=mlp)
     return logits_BTV

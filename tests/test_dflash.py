@@ -256,8 +256,38 @@ def test_check_kernels_drafter_part_through_the_interpreter(monkeypatch):
     records = check_drafter(fields, cases=cases, layers=2, context=6, block_size=BLOCK, impl="interpret")
     assert [r["ok"] for r in records] == [True, True], records
     product = kernels.matmul_fn("xla")
-    monkeypatch.setattr(kernels, "matmul_fn", lambda impl, mesh=None: (
-        (lambda x, w, **kw: 1.5 * product(x, w, **kw)) if impl == "interpret" else product))
+
+    def scaled(x, w, **kw):  # a wrong projection (its pair's normalised rows, if any, left as they are)
+        out = product(x, w, **kw)
+        return (1.5 * out[0], out[1]) if isinstance(out, tuple) else 1.5 * out
+
+    monkeypatch.setattr(kernels, "matmul_fn", lambda impl, mesh=None: scaled if impl == "interpret" else product)
     jax.clear_caches()
-    assert not any(r["ok"] for r in check_drafter(fields, cases=cases[:1], layers=2, context=6, block_size=BLOCK,
-                                                  impl="interpret"))
+    wrong = check_drafter(fields, cases=cases[:1], layers=2, context=6, block_size=BLOCK, impl="interpret")
+    assert not any(r["ok"] or "error" in r for r in wrong), wrong  # failed by its numbers, not by a crash
+
+
+def test_drafter_with_the_residual_norm_kernel_equals_xla(monkeypatch):
+    """Drafter passes of two requests (ten block rows) with every output and down product finished by the
+    interpreted `residual_norm` kernel (the normalised rows handed to the next product, after the context
+    rows in the q/k/v product) pass `check_kernels.py`'s drafter_auto comparison with the XLA pass."""
+    from ddtree_jax import kernels
+    from experiments.check_kernels import check_drafter
+    from pallas_kernels.matmul_reference import matmul_reference
+
+    fused, seen = kernels.residual_norm_product(matmul_reference, 4, 2, interpret=True), []
+
+    def counted(x, w, **kw):
+        out = fused(x, w, **kw)
+        seen.append(isinstance(out, tuple) and out[1] is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "matmul_fn", lambda impl, mesh=None: counted if impl == "interpret" else
+                        matmul_reference)
+    jax.clear_caches()
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    records = check_drafter(fields, cases=[(2, (5, 1))], layers=2, context=6, block_size=BLOCK, impl="interpret")
+    assert [r["ok"] for r in records] == [True], records
+    assert sum(seen) == 3  # both layers' output products, the first layer's down product
+    jax.clear_caches()

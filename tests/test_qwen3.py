@@ -325,7 +325,12 @@ def test_check_kernels_forward_part_on_a_pretended_hopper(hopper_rows, monkeypat
     records = check_forward(fields, cases=[(1, 1), (2, 3)], layers=2, context=6)
     assert [r["ok"] for r in records] == [True, True], records
     product = kernels.matmul_fn("auto")
-    monkeypatch.setattr(kernels, "matmul_fn", lambda impl, mesh=None: (
-        (lambda x, w, **kw: 1.5 * product(x, w, **kw)) if impl == "auto" else product))
+
+    def scaled(x, w, **kw):  # a wrong projection (its pair's normalised rows, if any, left as they are)
+        out = product(x, w, **kw)
+        return (1.5 * out[0], out[1]) if isinstance(out, tuple) else 1.5 * out
+
+    monkeypatch.setattr(kernels, "matmul_fn", lambda impl, mesh=None: scaled if impl == "auto" else product)
     jax.clear_caches()
-    assert not any(r["ok"] for r in check_forward(fields, cases=[(1, 1)], layers=2, context=6))
+    wrong = check_forward(fields, cases=[(1, 1)], layers=2, context=6)
+    assert not any(r["ok"] or "error" in r for r in wrong), wrong  # failed by its numbers, not by a crash
