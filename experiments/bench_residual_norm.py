@@ -1,0 +1,146 @@
+"""A/B of the split-K sum + residual + RMSNorm kernel inside the engine's rounds, in one process.
+
+Under ``auto`` on sm_90 the attention output and down products of the verify forwards (17 rows or more,
+`kernels.RESIDUAL_NORM_MIN_ROWS`) are a split-K whose partials the ``residual_norm`` kernel sums, adds to
+the residual and normalises by the next product's RMSNorm weight in one launch; the next product takes
+the normalised rows. This script compiles the DDTree rounds per ``--budgets`` (and the AR round with
+``--ar``) at Qwen3-8B shapes, random weights, ``--batch`` requests of ``--context`` tokens, once per
+variant, times them back to back with the variants interleaved, and with ``--profile`` sums each
+round's device time. ``--variants`` names them:
+
+  shipped      the library as it is
+  xla          XLA's split-K sum + residual and RMSNorm fusions everywhere (the kernel's rows emptied)
+  output_only  the kernel after the attention output product only: the target's down products leave the
+               next layer's input norm to its q/k/v product's prologue (XLA picks another q/k/v GEMM for a
+               normalised input at 64 rows)
+  rows_<R>     the kernel from R rows
+
+Prints a table and writes JSON. Off a GPU every variant is XLA's program.
+
+    PYTHONPATH=. python3 experiments/bench_residual_norm.py --budgets 16,63,64 --variants shipped,xla,output_only \
+        --profile --out experiments/results/bench_residual_norm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ddtree_jax import checks, engine, kernels  # noqa: E402
+from ddtree_jax.experiments import bench, profiling  # noqa: E402
+from ddtree_jax.experiments.flags import int_list  # noqa: E402
+from ddtree_jax.experiments.provenance import command_line  # noqa: E402
+from ddtree_jax.models import layers  # noqa: E402
+from experiments.bench_attention_merge import compiled_round  # noqa: E402
+from pallas_kernels import configs  # noqa: E402
+from pallas_kernels.matmul_reference import matmul_reference  # noqa: E402
+
+
+def parse_variant(name: str) -> tuple[int | None, bool]:
+    """``(rows, down)``: the kernel's first row count (``None``: as shipped, ``0``: never) and whether the
+    down products pass the next layer's input norm on."""
+    fixed = {"shipped": (None, True), "xla": (0, True), "output_only": (None, False)}
+    if name in fixed:
+        return fixed[name]
+    prefix, _, number = name.partition("_")
+    if prefix == "rows" and number.isdigit() and int(number) >= 1:
+        return int(number), True
+    raise ValueError(f"--variants: {name!r} is not one of {', '.join(fixed)} or rows_<R>")
+
+
+@contextlib.contextmanager
+def variant(rows: int | None, down: bool):
+    """The library patched for one variant while tracing (`parse_variant`), restored after."""
+    capability = configs.device_capability()
+    saved_rows, dense_mlp = dict(kernels.RESIDUAL_NORM_MIN_ROWS), layers.dense_mlp
+
+    def without_next_norm(layer, x_BND, shape, matmul=matmul_reference, h_BND=None, then_norm_D=None):
+        return dense_mlp(layer, x_BND, shape, matmul, h_BND, None)
+
+    try:
+        if rows == 0:
+            kernels.RESIDUAL_NORM_MIN_ROWS.clear()
+        elif rows is not None:
+            kernels.RESIDUAL_NORM_MIN_ROWS[capability] = rows
+        if not down:
+            layers.dense_mlp = without_next_norm
+        yield
+    finally:
+        kernels.RESIDUAL_NORM_MIN_ROWS.clear()
+        kernels.RESIDUAL_NORM_MIN_ROWS.update(saved_rows)
+        layers.dense_mlp = dense_mlp
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1, help="requests per round, each with --context tokens")
+    ap.add_argument("--budgets", type=int_list, default=[16, 63, 64], help="comma-separated DDTree budgets")
+    ap.add_argument("--ar", action="store_true", help="also time the AR round (the decode step)")
+    ap.add_argument("--topk-cap", type=int, default=4)
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="the drafter's head over this many tokens (0: the whole vocabulary)")
+    ap.add_argument("--variants", default="shipped,xla,output_only",
+                    help="comma-separated, of shipped, xla, output_only, rows_<R>")
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved passes over the variants")
+    ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_residual_norm.json"))
+    args = ap.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--variants must name distinct variants, got {args.variants!r}")
+    parsed = [(name, *parse_variant(name)) for name in names]
+    checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
+                 + [("topk_cap", lambda v: v >= 0, ">= 0"), ("draft_vocab", lambda v: v >= 0, ">= 0")])
+    target, drafter = bench.make_models(args.shapes, args.draft_vocab)
+    sampling = bench.constant_sampling(args.batch, 1.0, 0, 1.0)
+    rounds = [("ar", "ar", 1)] if args.ar else []
+    rounds += [(f"ddtree{b}", "ddtree", b) for b in args.budgets]
+    runners, boxes = {}, {}
+    for name, rows, down in parsed:
+        with variant(rows, down):
+            for label, method, budget in rounds:
+                spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto",
+                                        "auto", build_impl="auto")
+                if label not in boxes:
+                    boxes[label] = [bench.make_state(target, drafter, spec, args.batch, args.context)]
+                runners[name, label] = compiled_round(target, drafter, spec, boxes[label], sampling)
+                print(f"compiled {name} {label}", flush=True)
+    times = {key: [] for key in runners}
+    for _ in range(args.repeats):
+        for key, run in runners.items():
+            times[key].append(bench.back_to_back_ms(run, 3))
+    rows = []
+    for (name, label), ms in times.items():
+        row = dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
+        if args.profile:
+            profile = profiling.device_op_times(runners[name, label], calls=3, top=20)
+            row.update(device_ms=sum(line["ms_per_call"] for line in profile.values()), profile=profile)
+        rows.append(row)
+    first = {row["round"]: row for row in reversed(rows)}
+    print(f"{'variant':>14} {'round':>10} {'back to back':>13} {'vs ' + names[0]:>14} {'device':>9}", flush=True)
+    for row in rows:
+        ratio = row["back_to_back_ms"] / first[row["round"]]["back_to_back_ms"]
+        device = f"{row['device_ms']:.3f}" if "device_ms" in row else "-"
+        print(f"{row['variant']:>14} {row['round']:>10} {row['back_to_back_ms']:10.3f} ms {ratio:13.3f}x "
+              f"{device:>9}", flush=True)
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                command=command_line(), settings={k: str(v) for k, v in vars(args).items()})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
