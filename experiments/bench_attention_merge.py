@@ -76,6 +76,15 @@ def parse_variant(name: str):
                      f"splits_<S> (C, P, S >= 1)")
 
 
+def parse_variants(text: str, parse) -> list[tuple]:
+    """``(name, *parse(name))`` for each comma-separated name in ``text`` (a ``--variants`` flag); a
+    ``ValueError`` naming the flag unless the names are distinct and there is at least one."""
+    names = [v for v in text.split(",") if v]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--variants must name distinct variants, got {text!r}")
+    return [(name, *parse(name)) for name in names]
+
+
 def compiled_round(target, drafter, spec, box, sampling):
     """The engine's round compiled now (traced afresh), and a runner threading the state ``box[0]``
     through. The variants of a round share one box: their states are alike, and a state each would hold
@@ -93,6 +102,25 @@ def compiled_round(target, drafter, spec, box, sampling):
     return run
 
 
+def time_interleaved(runners: dict, repeats: int) -> dict:
+    """``{key: [ms a round back to back, one a pass]}`` of ``runners`` (`compiled_round`s), ``repeats`` passes
+    that time every runner once in turn, so that a drift of the machine falls on all of them alike."""
+    times = {key: [] for key in runners}
+    for _ in range(repeats):
+        for key, run in runners.items():
+            times[key].append(bench.back_to_back_ms(run, 3))
+    return times
+
+
+def write_rows(out: Path, args, rows: list) -> None:
+    """``rows`` with the run's device, versions, date, command line and flags, as JSON at ``out``."""
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                command=command_line(), settings={k: str(v) for k, v in vars(args).items()})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"wrote {out}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
@@ -107,10 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
     args = ap.parse_args(argv)
-    names = [v for v in args.variants.split(",") if v]
-    if not names or len(set(names)) != len(names):
-        raise ValueError(f"--variants must name distinct variants, got {args.variants!r}")
-    parsed = [(name, *parse_variant(name)) for name in names]
+    parsed = parse_variants(args.variants, parse_variant)
     budgets = args.budgets
     checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
                  + [("topk_cap", lambda v: v >= 0, ">= 0")])
@@ -133,19 +158,11 @@ def main(argv=None) -> int:
         tree_attention.merge_splits = split_k.merge_splits
         if capability in configs.TREE_ATTENTION_CONFIGS:
             configs.TREE_ATTENTION_CONFIGS[capability] = shipped_config
-    times = {key: [] for key in runners}
-    for _ in range(args.repeats):
-        for key, run in runners.items():
-            times[key].append(bench.back_to_back_ms(run, 3))
     rows = [dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
-            for (name, label), ms in times.items()]
+            for (name, label), ms in time_interleaved(runners, args.repeats).items()]
     for row in rows:
         print(f"{row['variant']:>14} {row['round']:>10}: {row['back_to_back_ms']:.3f} ms back to back", flush=True)
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                command=command_line(), settings={k: str(v) for k, v in vars(args).items()})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(f"wrote {args.out}")
+    write_rows(args.out, args, rows)
     return 0
 
 

@@ -25,22 +25,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ddtree_jax import checks, engine, kernels  # noqa: E402
 from ddtree_jax.experiments import bench, profiling  # noqa: E402
 from ddtree_jax.experiments.flags import int_list  # noqa: E402
-from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from ddtree_jax.models import layers  # noqa: E402
-from experiments.bench_attention_merge import compiled_round  # noqa: E402
+from experiments.bench_attention_merge import (  # noqa: E402
+    compiled_round,
+    parse_variants,
+    time_interleaved,
+    write_rows,
+)
 from pallas_kernels import configs  # noqa: E402
 from pallas_kernels.matmul_reference import matmul_reference  # noqa: E402
 
@@ -96,10 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_residual_norm.json"))
     args = ap.parse_args(argv)
-    names = [v for v in args.variants.split(",") if v]
-    if not names or len(set(names)) != len(names):
-        raise ValueError(f"--variants must name distinct variants, got {args.variants!r}")
-    parsed = [(name, *parse_variant(name)) for name in names]
+    parsed = parse_variants(args.variants, parse_variant)
     checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
                  + [("topk_cap", lambda v: v >= 0, ">= 0"), ("draft_vocab", lambda v: v >= 0, ">= 0")])
     target, drafter = bench.make_models(args.shapes, args.draft_vocab)
@@ -116,29 +114,21 @@ def main(argv=None) -> int:
                     boxes[label] = [bench.make_state(target, drafter, spec, args.batch, args.context)]
                 runners[name, label] = compiled_round(target, drafter, spec, boxes[label], sampling)
                 print(f"compiled {name} {label}", flush=True)
-    times = {key: [] for key in runners}
-    for _ in range(args.repeats):
-        for key, run in runners.items():
-            times[key].append(bench.back_to_back_ms(run, 3))
     rows = []
-    for (name, label), ms in times.items():
+    for (name, label), ms in time_interleaved(runners, args.repeats).items():
         row = dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
         if args.profile:
             profile = profiling.device_op_times(runners[name, label], calls=3, top=20)
             row.update(device_ms=sum(line["ms_per_call"] for line in profile.values()), profile=profile)
         rows.append(row)
     first = {row["round"]: row for row in reversed(rows)}
-    print(f"{'variant':>14} {'round':>10} {'back to back':>13} {'vs ' + names[0]:>14} {'device':>9}", flush=True)
+    print(f"{'variant':>14} {'round':>10} {'back to back':>13} {'vs ' + parsed[0][0]:>14} {'device':>9}", flush=True)
     for row in rows:
         ratio = row["back_to_back_ms"] / first[row["round"]]["back_to_back_ms"]
         device = f"{row['device_ms']:.3f}" if "device_ms" in row else "-"
         print(f"{row['variant']:>14} {row['round']:>10} {row['back_to_back_ms']:10.3f} ms {ratio:13.3f}x "
               f"{device:>9}", flush=True)
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                command=command_line(), settings={k: str(v) for k, v in vars(args).items()})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(f"wrote {args.out}")
+    write_rows(args.out, args, rows)
     return 0
 
 
