@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.configs import is_pow2
+
 
 def kv_write(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, *, layer: int, interpret: bool = False):
     """`kv_write_reference` by the Pallas kernel (Triton lowering); same arguments and result, plus
@@ -56,7 +58,7 @@ def check_operands(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer) -> None:
 def kernel_supports(k_LBKSD) -> bool:
     """Whether the kernel takes this cache: power-of-two key/value heads and ``head_dim``."""
     num_kv, head_dim = k_LBKSD.shape[2], k_LBKSD.shape[4]
-    return all(n >= 1 and n & (n - 1) == 0 for n in (num_kv, head_dim))
+    return is_pow2(num_kv) and is_pow2(head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "interpret"))

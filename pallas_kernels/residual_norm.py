@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.configs import is_pow2
 from pallas_kernels.residual_norm_reference import check_operands
 
 
@@ -38,7 +39,7 @@ def residual_norm(partials_SPN, residual_PN, norm_N, *, eps: float, num_warps: i
 
 def kernel_supports(partials_SPN) -> bool:
     """Whether the kernel takes these partials: a power-of-two count ``S`` and width ``N`` (Triton blocks)."""
-    return all(n >= 1 and n & (n - 1) == 0 for n in (partials_SPN.shape[0], partials_SPN.shape[2]))
+    return is_pow2(partials_SPN.shape[0]) and is_pow2(partials_SPN.shape[2])
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))

@@ -87,8 +87,8 @@ def moe_mlp(layer: MoeDecoderLayer, x_BND, shape: L.LayerShape, mesh: Mesh | Non
     (expert-parallel over ``mesh`` when given). With a list ``routes``, the expert ids ``[B, N, k]`` are
     appended to it (while tracing)."""
     batch, num, dim = x_BND.shape
-    h_MD = rms_norm(x_BND, layer.post_norm, shape.rms_norm_eps) if h_BND is None else h_BND
-    h_MD = h_MD.reshape(batch * num, dim)
+    h_BND = rms_norm(x_BND, layer.post_norm, shape.rms_norm_eps) if h_BND is None else h_BND
+    h_MD = h_BND.reshape(batch * num, dim)
     weights_MK, experts_MK = route(h_MD, layer.router, shape.num_experts_per_tok, shape.norm_topk_prob)
     if routes is not None:
         routes.append(experts_MK.reshape(batch, num, -1))
