@@ -8,7 +8,7 @@ append + block + LM head); ``--variants`` compiles each forward under several na
 options (`VARIANTS`: command buffers, which run the step as CUDA graphs; an exhaustive GEMM tiling
 search; fusion passes that put more ops into Triton fusions), one variant failing to compile leaving
 the others; with ``--profile`` each forward's device ops are summed by kind (and the optimized HLO of
-the first decode forward is written next to the JSON with ``--hlo``); ``--draft-vocab`` W gives the
+the first forward of each kind is written next to the JSON with ``--hlo``); ``--draft-vocab`` W gives the
 drafter a head over W tokens, as ``ddtree bench --draft-vocab`` does. One process, warm jit,
 ``block_until_ready``, medians of ``--repeats`` calls. The roofline is the bytes a forward must
 stream (all layer weights + the LM head) over ``--hbm-tbps``.
@@ -95,7 +95,7 @@ def main(argv=None):
                     help=f"comma-separated names of XLA option sets, from: {', '.join(VARIANTS)}")
     ap.add_argument("--profile", action="store_true", help="sum the device ops of each forward by kind")
     ap.add_argument("--profile-ops", type=int, default=15, help="ops listed per profile, the longest first")
-    ap.add_argument("--hlo", action="store_true", help="write the optimized HLO of the first decode forward")
+    ap.add_argument("--hlo", action="store_true", help="write the optimized HLO of the first forward of each kind")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="the drafter's head over this many tokens (0: the whole vocabulary)")
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
@@ -134,8 +134,9 @@ def main(argv=None):
             continue
         ms = median_ms(lambda fn=fn, fargs=fargs: fn(*fargs)[0], args.repeats)
         row.update(ms=ms, vs_roofline=ms / roofline_ms)
-        if row["forward"] == "decode" and args.hlo and not any(r["forward"] == "decode" for r in rows):
-            (args.out.parent / f"{args.out.stem}_decode_{row['matmul_impl']}.hlo.txt").write_text(fn.as_text())
+        if args.hlo and not any(r["forward"] == row["forward"] for r in rows):
+            name = row["forward"].replace("verify N=", "verify")
+            (args.out.parent / f"{args.out.stem}_{name}_{row['matmul_impl']}.hlo.txt").write_text(fn.as_text())
         if args.profile:
             row["profile"] = profiling.device_op_times(lambda fn=fn, fargs=fargs: fn(*fargs)[0],
                                                        top=args.profile_ops)
