@@ -71,10 +71,10 @@ from pallas_kernels.kv_write import kernel_supports as kv_write_supports
 from pallas_kernels.kv_write import kv_write
 from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul import matmul
-from pallas_kernels.matmul_reference import matmul_reference, split_partials
+from pallas_kernels.matmul_reference import matmul_reference, rms_norm, split_partials
 from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
 from pallas_kernels.qk_norm_rope import kernel_supports as qk_norm_rope_supports
-from pallas_kernels.qk_norm_rope_reference import check_queries, qk_norm_rope_reference
+from pallas_kernels.qk_norm_rope_reference import check_queries, qk_norm_rope_reference, summed_partials
 from pallas_kernels.residual_norm import kernel_supports as residual_norm_supports
 from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.tree_attention import kernel_supports, tree_attention
@@ -189,9 +189,11 @@ def qk_norm_rope_write_fn(impl: str, mesh: Mesh | None = None):
     split, write = qk_norm_rope_fn(impl, mesh), kv_write_fn(impl, mesh)
 
     def separately(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, queries=None,
-                   **kwargs):
+                   partials_SRC=None, **kwargs):
         num = qkv_BNC.shape[1]
         queries = check_queries(queries, num)
+        if partials_SRC is not None:
+            qkv_BNC = summed_partials(partials_SRC, qkv_BNC.shape, qkv_BNC.dtype)
         q_BNHD, k_BNKD, v_BNKD = split(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, **kwargs)
         return (q_BNHD[:, num - queries:], *write(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer))
 
@@ -200,10 +202,10 @@ def qk_norm_rope_write_fn(impl: str, mesh: Mesh | None = None):
     kernel = functools.partial(qk_norm_rope_write, interpret=impl == "interpret")
 
     def fused(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, heads, kv_heads,
-              eps, queries=None):
+              eps, queries=None, partials_SRC=None):
         fn = kernel if qk_norm_rope_supports(qkv_BNC, heads, kv_heads) else separately
         return fn(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, layer=layer,
-                  heads=heads, kv_heads=kv_heads, eps=eps, queries=queries)
+                  heads=heads, kv_heads=kv_heads, eps=eps, queries=queries, partials_SRC=partials_SRC)
 
     return fused
 
@@ -219,10 +221,17 @@ XLA_MIN_ROWS = {(9, 0): 16}
 # On an H200 the kernel took 3.5 us against XLA's two fusions' 5.2 at 64 rows, and 2.8 against 3.0 at 16;
 # inside the rounds on an H100 the DDTree rounds at B = 16 / 63 / 64 (17 to 65 rows) took 1.4-2.1% less
 # device time (BENCHMARKS.md). Fewer rows come padded (`XLA_MIN_ROWS`), and padding the normalised rows
-# again for the next product would cost a launch. 4 chunks: XLA's product at 64 rows was as fast or faster
-# with 4 as with its own split (8 at 16 rows), and the kernel reads half the partials.
+# again for the next product would cost a launch.
 RESIDUAL_NORM_MIN_ROWS = {(9, 0): 17}
-RESIDUAL_NORM_SPLITS = 4
+# On these devices (``auto`` without a mesh) the q/k/v product hands its split-K partials to the q/k norm +
+# RoPE + K/V-write kernel, which sums them (`partials_product`), in place of XLA's sum, a launch a layer.
+QKV_PARTIALS = {(9, 0)}
+# The chunks of a split-K written out (`split_k_chunks`): the fewest, a power of two from
+# `SPLIT_K_MIN_CHUNKS`, of at most this many K columns. With chunks of 3,072 (the down product in 4) XLA
+# split each chunk again and summed the halves in a fusion of its own before the `residual_norm` kernel
+# (3.5 us a layer at 64 rows on an H100); XLA's own split of the q/k/v product is 4 chunks at 16 and 64 rows.
+SPLIT_K_MAX_CHUNK = 1536
+SPLIT_K_MIN_CHUNKS = 4
 
 
 def matmul_fn(impl: str, mesh: Mesh | None = None):
@@ -244,18 +253,22 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
         min_rows = XLA_MIN_ROWS.get(capability) if local else None
         product = matmul_reference if min_rows is None else rows_padded(matmul_reference, min_rows)
         norm_rows = RESIDUAL_NORM_MIN_ROWS.get(capability) if local and pallas_gpu() else None
-        return product if norm_rows is None else residual_norm_product(product, norm_rows, RESIDUAL_NORM_SPLITS)
+        if norm_rows is not None:
+            product = residual_norm_product(product, norm_rows, split_k_chunks)
+        if local and pallas_gpu() and capability in QKV_PARTIALS:
+            product = partials_product(product, min_rows or 1, split_k_chunks)
+        return product
     if mesh is not None:
         raise ValueError(f"matmul_impl={impl!r} does not run under a mesh (the kernel is not partitioned); "
                          f"use 'auto' or 'xla'")
     policy = configs.matmul_policy(_kernel_capability(impl))
 
-    def product(x_MK, w_KN, *, columns=None, gated=False, then_norm_N=None, **kwargs):
+    def product(x_MK, w_KN, *, columns=None, gated=False, then_norm_N=None, with_partials=False, **kwargs):
         m, k = x_MK.shape
         n = w_KN.shape[1] if columns is None else columns[1] - columns[0]
         y_MN = matmul(x_MK, w_KN, columns=columns, gated=gated, config=configs.matmul_config(policy, m, k, n, gated),
                       interpret=impl == "interpret", **kwargs)
-        return y_MN if then_norm_N is None else (y_MN, None)
+        return (y_MN, None) if then_norm_N is not None or with_partials else y_MN
 
     return product
 
@@ -276,24 +289,55 @@ def rows_padded(product, min_rows: int):
     return padded
 
 
-def residual_norm_product(product, min_rows: int, splits: int, interpret: bool = False):
+def split_k_chunks(k: int) -> int:
+    """The K chunks of a split-K written out for a kernel to sum (`residual_norm_product`,
+    `partials_product`): the fewest, a power of two from `SPLIT_K_MIN_CHUNKS`, of at most
+    `SPLIT_K_MAX_CHUNK` columns (4 for K = 4096, 8 for 12,288)."""
+    splits = SPLIT_K_MIN_CHUNKS
+    while k > splits * SPLIT_K_MAX_CHUNK:
+        splits *= 2
+    return splits
+
+
+def residual_norm_product(product, min_rows: int, splits, interpret: bool = False):
     """``product`` (the signature of ``matmul_reference``), except that a plain product of at least
-    ``min_rows`` rows with a residual and ``then_norm_N`` runs as `split_partials` of ``splits`` K chunks
+    ``min_rows`` rows with a residual and ``then_norm_N`` runs as `split_partials` of ``splits(K)`` K chunks
     finished by the `residual_norm` kernel (``interpret``: in the Pallas interpreter): ``(residual +
-    product, its RMSNorm)``, where the kernel applies (`residual_norm.kernel_supports`, ``splits`` dividing
+    product, its RMSNorm)``, where the kernel applies (`residual_norm.kernel_supports`, the chunks dividing
     K, one dtype; decided when traced)."""
     def fused(x_MK, w_KN, *, residual_MN=None, then_norm_N=None, eps=1e-6, **kwargs):
         m, k = x_MK.shape
+        chunks = splits(k)
         plain = all(v is None or v is False for v in kwargs.values())  # no prologue, SwiGLU, columns, out dtype
         applies = (plain and residual_MN is not None and then_norm_N is not None and m >= min_rows
-                   and k % splits == 0 and x_MK.dtype == residual_MN.dtype == then_norm_N.dtype
-                   and residual_norm_supports(jax.ShapeDtypeStruct((splits, m, w_KN.shape[1]), jnp.float32)))
+                   and k % chunks == 0 and x_MK.dtype == residual_MN.dtype == then_norm_N.dtype
+                   and residual_norm_supports(jax.ShapeDtypeStruct((chunks, m, w_KN.shape[1]), jnp.float32)))
         if not applies:
             return product(x_MK, w_KN, residual_MN=residual_MN, then_norm_N=then_norm_N, eps=eps, **kwargs)
-        return residual_norm(split_partials(x_MK, w_KN, splits), residual_MN, then_norm_N, eps=eps,
+        return residual_norm(split_partials(x_MK, w_KN, chunks), residual_MN, then_norm_N, eps=eps,
                              interpret=interpret)
 
     return fused
+
+
+def partials_product(product, min_rows: int, splits):
+    """``product`` (the signature of ``matmul_reference``), except that a product asked ``with_partials``,
+    with no keyword but ``norm_K`` and ``eps``, runs as `split_partials` of ``splits(K)`` chunks on ``x``
+    (normalised by ``norm_K``) zero-padded to ``min_rows`` rows when it has fewer (as `rows_padded` does, so
+    that XLA's GEMM is the one it picks for them): ``(result, partials [S, max(M, min_rows), N])``, the
+    result their `summed_partials`. A consumer that takes the partials (`qk_norm_rope_write_fn`) sums them
+    in its own launch, and XLA drops the sum; any other reads the result."""
+    def split(x_MK, w_KN, *, with_partials=False, norm_K=None, eps=1e-6, **kwargs):
+        m, k = x_MK.shape
+        chunks = splits(k)
+        plain = all(v is None or v is False for v in kwargs.values())  # no SwiGLU, columns, residual, out dtype
+        if not (with_partials and plain and k % chunks == 0):
+            return product(x_MK, w_KN, with_partials=with_partials, norm_K=norm_K, eps=eps, **kwargs)
+        x_MK = x_MK if norm_K is None else rms_norm(x_MK, norm_K, eps)
+        partials_SRN = split_partials(jnp.pad(x_MK, ((0, max(min_rows - m, 0)), (0, 0))), w_KN, chunks)
+        return summed_partials(partials_SRN, (1, m, w_KN.shape[1]), x_MK.dtype)[0], partials_SRN
+
+    return split
 
 
 def sampler_fn(impl: str, mesh: Mesh | None = None, config: SamplerConfig | None = None):

@@ -1,12 +1,13 @@
-"""A/B of the split-K sum + residual + RMSNorm kernel inside the engine's rounds, in one process.
+"""A/B of the kernels that sum split-K partials inside the engine's rounds, in one process.
 
 Under ``auto`` on sm_90 the attention output and down products of the verify forwards (17 rows or more,
-`kernels.RESIDUAL_NORM_MIN_ROWS`) are a split-K whose partials the ``residual_norm`` kernel sums, adds to
-the residual and normalises by the next product's RMSNorm weight in one launch; the next product takes
-the normalised rows. This script compiles the DDTree rounds per ``--budgets`` (and the AR round with
-``--ar``) at Qwen3-8B shapes, random weights, ``--batch`` requests of ``--context`` tokens, once per
-variant, times them back to back with the variants interleaved, and with ``--profile`` sums each
-round's device time. ``--variants`` names them:
+`kernels.RESIDUAL_NORM_MIN_ROWS`) are a split-K (`kernels.split_k_chunks` chunks) whose partials the
+``residual_norm`` kernel sums, adds to the residual and normalises by the next product's RMSNorm weight in
+one launch, the next product taking the normalised rows; and every q/k/v product hands its partials to the
+q/k norm + RoPE + K/V-write kernel, which sums them (`kernels.QKV_PARTIALS`). This script compiles the DDTree
+rounds per ``--budgets`` (and the AR round with ``--ar``) at Qwen3-8B shapes, random weights, ``--batch``
+requests of ``--context`` tokens, once per variant, times them back to back with the variants interleaved,
+and with ``--profile`` sums each round's device time. ``--variants`` names them:
 
   shipped      the library as it is
   xla          XLA's split-K sum + residual and RMSNorm fusions everywhere (the kernel's rows emptied)
@@ -14,10 +15,12 @@ round's device time. ``--variants`` names them:
                next layer's input norm to its q/k/v product's prologue (XLA picks another q/k/v GEMM for a
                normalised input at 64 rows)
   rows_<R>     the kernel from R rows
+  splits_<S>   the kernel's split-K in S chunks for every product (4: before `split_k_chunks`)
+  qkv_summed   XLA sums the q/k/v partials before the norm + RoPE + write kernel
 
 Prints a table and writes JSON. Off a GPU every variant is XLA's program.
 
-    PYTHONPATH=. python3 experiments/bench_residual_norm.py --budgets 16,63,64 --variants shipped,xla,output_only \
+    PYTHONPATH=. python3 experiments/bench_residual_norm.py --budgets 16,63,64 --variants shipped,xla,qkv_summed \
         --profile --out experiments/results/bench_residual_norm.json
 """
 
@@ -45,24 +48,27 @@ from experiments.bench_attention_merge import (  # noqa: E402
 from pallas_kernels import configs  # noqa: E402
 from pallas_kernels.matmul_reference import matmul_reference  # noqa: E402
 
+FIXED = {"shipped": {}, "xla": {"rows": 0}, "output_only": {"down": False}, "qkv_summed": {"qkv": False}}
 
-def parse_variant(name: str) -> tuple[int | None, bool]:
-    """``(rows, down)``: the kernel's first row count (``None``: as shipped, ``0``: never) and whether the
-    down products pass the next layer's input norm on."""
-    fixed = {"shipped": (None, True), "xla": (0, True), "output_only": (None, False)}
-    if name in fixed:
-        return fixed[name]
+
+def parse_variant(name: str) -> dict:
+    """The patches of one variant (`variant`'s keywords): ``rows`` (the kernel's first row count, 0: never),
+    ``down`` (whether the down products pass the next layer's input norm on), ``splits`` (the split's chunks
+    for every product), ``qkv`` (whether the q/k/v products hand their partials over); none for ``shipped``."""
+    if name in FIXED:
+        return FIXED[name]
     prefix, _, number = name.partition("_")
-    if prefix == "rows" and number.isdigit() and int(number) >= 1:
-        return int(number), True
-    raise ValueError(f"--variants: {name!r} is not one of {', '.join(fixed)} or rows_<R>")
+    if prefix in ("rows", "splits") and number.isdigit() and int(number) >= 1:
+        return {prefix: int(number)}
+    raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED)}, rows_<R> or splits_<S>")
 
 
 @contextlib.contextmanager
-def variant(rows: int | None, down: bool):
+def variant(rows: int | None = None, down: bool = True, splits: int | None = None, qkv: bool = True):
     """The library patched for one variant while tracing (`parse_variant`), restored after."""
     capability = configs.device_capability()
-    saved_rows, dense_mlp = dict(kernels.RESIDUAL_NORM_MIN_ROWS), layers.dense_mlp
+    saved = dict(kernels.RESIDUAL_NORM_MIN_ROWS), set(kernels.QKV_PARTIALS), kernels.split_k_chunks
+    dense_mlp = layers.dense_mlp
 
     def without_next_norm(layer, x_BND, shape, matmul=matmul_reference, h_BND=None, then_norm_D=None):
         return dense_mlp(layer, x_BND, shape, matmul, h_BND, None)
@@ -74,10 +80,17 @@ def variant(rows: int | None, down: bool):
             kernels.RESIDUAL_NORM_MIN_ROWS[capability] = rows
         if not down:
             layers.dense_mlp = without_next_norm
+        if splits is not None:
+            kernels.split_k_chunks = lambda k: splits
+        if not qkv:
+            kernels.QKV_PARTIALS.clear()
         yield
     finally:
         kernels.RESIDUAL_NORM_MIN_ROWS.clear()
-        kernels.RESIDUAL_NORM_MIN_ROWS.update(saved_rows)
+        kernels.RESIDUAL_NORM_MIN_ROWS.update(saved[0])
+        kernels.QKV_PARTIALS.clear()
+        kernels.QKV_PARTIALS.update(saved[1])
+        kernels.split_k_chunks = saved[2]
         layers.dense_mlp = dense_mlp
 
 
@@ -91,13 +104,13 @@ def main(argv=None) -> int:
     ap.add_argument("--topk-cap", type=int, default=4)
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="the drafter's head over this many tokens (0: the whole vocabulary)")
-    ap.add_argument("--variants", default="shipped,xla,output_only",
-                    help="comma-separated, of shipped, xla, output_only, rows_<R>")
+    ap.add_argument("--variants", default="shipped,xla,qkv_summed",
+                    help="comma-separated, of shipped, xla, output_only, qkv_summed, rows_<R>, splits_<S>")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved passes over the variants")
     ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_residual_norm.json"))
     args = ap.parse_args(argv)
-    parsed = parse_variants(args.variants, parse_variant)
+    parsed = parse_variants(args.variants, lambda name: (parse_variant(name),))
     checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
                  + [("topk_cap", lambda v: v >= 0, ">= 0"), ("draft_vocab", lambda v: v >= 0, ">= 0")])
     target, drafter = bench.make_models(args.shapes, args.draft_vocab)
@@ -105,8 +118,8 @@ def main(argv=None) -> int:
     rounds = [("ar", "ar", 1)] if args.ar else []
     rounds += [(f"ddtree{b}", "ddtree", b) for b in args.budgets]
     runners, boxes = {}, {}
-    for name, rows, down in parsed:
-        with variant(rows, down):
+    for name, patches in parsed:
+        with variant(**patches):
             for label, method, budget in rounds:
                 spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto",
                                         "auto", build_impl="auto")

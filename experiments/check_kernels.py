@@ -39,7 +39,8 @@ device, over shapes too large for the CPU.
   about 8) and 8e-5 in fp32.
 - ``rope_write``: the q/k norm + RoPE + K/V-write kernel (``kernels.qk_norm_rope_write_fn("pallas")``)
   against its reference: ``q`` and the key cache within the ``rope`` tolerances, the value cache
-  identical, with slots past the end dropped.
+  identical, with slots past the end dropped; also with the projection given as the float32 partials of
+  a split-K (4 and 8 chunks, rows padded to 16), which the kernel sums.
 - ``kv_write``: the K/V cache-write kernel (``kernels.kv_write_fn("pallas")``) against its reference,
   bit for bit: decode, verify and prefill rows, slots past the cache's end (dropped), and a stacked
   cache of more than 2**31 elements written in its last layer.
@@ -86,7 +87,12 @@ from pallas_kernels.configs import tree_attention_config
 from pallas_kernels.kv_write_reference import kv_write_reference
 from pallas_kernels.matmul_mgpu import matmul_mgpu
 from pallas_kernels.matmul_reference import matmul_reference
-from pallas_kernels.qk_norm_rope_reference import qk_norm_rope_reference, qk_norm_rope_write_reference, rope_tables
+from pallas_kernels.qk_norm_rope_reference import (
+    qk_norm_rope_reference,
+    qk_norm_rope_write_reference,
+    rope_tables,
+    summed_partials,
+)
 from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.residual_norm_reference import residual_norm_reference
 from pallas_kernels.top_k import TopKConfig, top_k
@@ -362,11 +368,17 @@ KV_WRITE_CASES = [(4, 1, 1, 8, 128, 1100, [1024], "bfloat16"), (4, 1, 65, 8, 128
 
 
 # (layers, batch, rows per request, heads, kv_heads, slots, lengths (cycled over the batch), dtype, queries: the
-# last rows that get query heads, None = all; the drafter's context rows have none)
-ROPE_WRITE_CASES = [(4, 1, 1, 32, 8, 1100, [1024], "bfloat16", None), (4, 1, 65, 32, 8, 1100, [1024], "bfloat16", None),
-                    (3, 8, 17, 32, 4, 300, [0, 290, 17, 283], "bfloat16", None),
-                    (2, 3, 33, 32, 8, 100, [0, 80, 5], "float32", None),
-                    (2, 3, 20, 32, 8, 300, [0, 270, 5], "bfloat16", 16)]
+# last rows that get query heads, None = all; the drafter's context rows have none; chunks: the projection as
+# the float32 partials of a split-K of this many chunks, its rows padded to 16, 0 = as activations)
+ROPE_WRITE_CASES = [(4, 1, 1, 32, 8, 1100, [1024], "bfloat16", None, 0),
+                    (4, 1, 65, 32, 8, 1100, [1024], "bfloat16", None, 0),
+                    (3, 8, 17, 32, 4, 300, [0, 290, 17, 283], "bfloat16", None, 0),
+                    (2, 3, 33, 32, 8, 100, [0, 80, 5], "float32", None, 0),
+                    (2, 3, 20, 32, 8, 300, [0, 270, 5], "bfloat16", 16, 0),
+                    (4, 1, 1, 32, 8, 1100, [1024], "bfloat16", None, 4),
+                    (4, 1, 64, 32, 8, 1100, [1024], "bfloat16", None, 4),
+                    (2, 2, 20, 32, 8, 300, [0, 270], "bfloat16", 16, 4),
+                    (2, 3, 5, 32, 8, 100, [0, 80, 5], "float32", None, 8)]
 
 
 def check_rope_write(interpret=False, cases=ROPE_WRITE_CASES, head_dim=128):
@@ -375,17 +387,23 @@ def check_rope_write(interpret=False, cases=ROPE_WRITE_CASES, head_dim=128):
     fused = jax.jit(kernels.qk_norm_rope_write_fn("interpret" if interpret else "pallas"),
                     static_argnames=("layer", "heads", "kv_heads", "eps", "queries"))
     records = []
-    for seed, (layers, batch, num, heads, kv_heads, slots, lengths, dtype, queries) in enumerate(cases):
+    for seed, (layers, batch, num, heads, kv_heads, slots, lengths, dtype, queries, chunks) in enumerate(cases):
         keys = jax.random.split(jax.random.key(seed), 6)
         caches = [jax.random.normal(key, (layers, batch, kv_heads, slots, head_dim), dtype) for key in keys[4:]]
         lengths_B = jnp.asarray(np.resize(np.asarray(lengths), batch), jnp.int32)
-        args = (*rope_operands(keys[:4], batch, num, heads, kv_heads, head_dim, dtype), *caches, lengths_B)
+        qkv, *rest = rope_operands(keys[:4], batch, num, heads, kv_heads, head_dim, dtype)
+        partials = None
+        if chunks:  # partials whose sum is about the size of qkv's values; the reference reads their sum
+            partials = (3 / chunks ** 0.5) * jax.random.normal(
+                keys[0], (chunks, max(batch * num, 16), qkv.shape[-1]), jnp.float32)
+            qkv = summed_partials(partials, qkv.shape, qkv.dtype)
+        args = (qkv, *rest, *caches, lengths_B)
         kwargs = dict(layer=layers - 1, heads=heads, kv_heads=kv_heads, eps=1e-6, queries=queries)
         record = dict(part="rope_write", layers=layers, batch=batch, rows=num, heads=heads, kv_heads=kv_heads,
-                      slots=slots, dtype=dtype, queries=queries)
+                      slots=slots, dtype=dtype, queries=queries, partial_chunks=chunks)
 
-        def check(args=args, kwargs=kwargs, tol=8e-5 if dtype == "float32" else 4e-2):
-            outs = [np.asarray(x, np.float32) for x in fused(*args, **kwargs)]
+        def check(args=args, kwargs=kwargs, partials=partials, tol=8e-5 if dtype == "float32" else 4e-2):
+            outs = [np.asarray(x, np.float32) for x in fused(*args, partials_SRC=partials, **kwargs)]
             refs = [np.asarray(x, np.float32) for x in qk_norm_rope_write_reference(*args, **kwargs)]
             errs = [float(np.abs(o - r).max()) for o, r in zip(outs, refs, strict=True)]
             ok = all(np.isfinite(o).all() for o in outs) and max(errs[:2]) <= tol and errs[2] == 0

@@ -45,7 +45,7 @@ def split_product(x_MK, w_KN, splits: int = 1):
 
 
 def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None,
-                     residual_MN=None, splits=1, then_norm_N=None):
+                     residual_MN=None, splits=1, then_norm_N=None, with_partials=False):
     """``x @ w`` accumulated in float32, with an optional prologue and epilogue.
 
     Args:
@@ -64,10 +64,16 @@ def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtyp
       then_norm_N: optional ``[N]`` RMSNorm weight of the next product, which an implementation may apply
         to the result with this product (``ddtree_jax.kernels.residual_norm_product``); this one leaves
         it to the next product's prologue.
+      with_partials: return ``(result, partials)``: an implementation may hand over the float32 split-K
+        partials ``[S, R, N]`` (``R >= M``, rows past ``M`` padding) whose sum over ``S`` in order, rounded,
+        is the result, for a consumer that sums them itself (``ddtree_jax.kernels.partials_product``); this
+        one returns ``None`` for them. Not with ``then_norm_N``.
 
     Returns:
-      ``[M, N]`` (``[M, N / 2]`` when ``gated``); with ``then_norm_N``, ``(result, None)``.
+      ``[M, N]`` (``[M, N / 2]`` when ``gated``); with ``then_norm_N`` or ``with_partials``, ``(result, None)``.
     """
+    if with_partials and then_norm_N is not None:
+        raise ValueError("with_partials and then_norm_N exclude each other (each asks for a pair)")
     out_dtype = x_MK.dtype if out_dtype is None else out_dtype
     if columns is not None:
         w_KN = w_KN[:, columns[0]:columns[1]]
@@ -76,4 +82,4 @@ def matmul_reference(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtyp
     y_MN = split_product(x_MK, w_KN, splits).astype(out_dtype)
     y_MN = swiglu(y_MN) if gated else y_MN
     y_MN = y_MN if residual_MN is None else residual_MN + y_MN
-    return y_MN if then_norm_N is None else (y_MN, None)
+    return (y_MN, None) if with_partials or then_norm_N is not None else y_MN

@@ -7,7 +7,9 @@ microsecond on a few kilobytes, and the cache write as six more (see ``kv_write.
 ``m`` of the grid ``(M,)`` reads token row ``m`` of the fused projection once and normalises and
 rotates its query and key heads. `qk_norm_rope` writes ``q``, ``k`` and ``v`` in their head
 layouts; `qk_norm_rope_write` writes ``q`` and stores the keys and values straight into the row's
-cache slot (masked off past the cache's end), the caches aliased to its outputs.
+cache slot (masked off past the cache's end), the caches aliased to its outputs. `qk_norm_rope_write`
+also takes the projection as the float32 split-K partials of its product (``partials_SRC``): each
+program sums its row's partials, so the sum is not a launch of its own.
 
 Head counts and ``head_dim / 2`` must be powers of two (`kernel_supports`). Same functions as
 ``qk_norm_rope_reference`` and ``qk_norm_rope_write_reference``, within float32 rounding (the
@@ -28,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.kv_write import store_slot
-from pallas_kernels.qk_norm_rope_reference import check_queries
+from pallas_kernels.qk_norm_rope_reference import check_partials, check_queries
 
 
 def qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads: int, kv_heads: int, eps: float,
@@ -79,18 +81,22 @@ def _qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads, kv_he
     q, k, v = pl.pallas_call(
         kernel, grid=(rows,), out_shape=out_shape, interpret=interpret, name="qk_norm_rope",
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-    )(*_row_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, head_dim))
+    )(qkv_BNC.reshape(-1, head_dim), *_row_operands(q_norm_D, k_norm_D, cos_BNF, sin_BNF))
     return tuple(x.reshape(batch, num, -1, head_dim) for x in (q, k, v))
 
 
 def qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer: int,
-                       heads: int, kv_heads: int, eps: float, queries: int | None = None, interpret: bool = False):
+                       heads: int, kv_heads: int, eps: float, queries: int | None = None, partials_SRC=None,
+                       interpret: bool = False):
     """`qk_norm_rope_write_reference` by one kernel: `qk_norm_rope`'s program per token row also stores
     the row's keys and values into slot ``lengths[b] + n`` of ``layer`` of the stacked caches (masked
     off past their end), which are aliased to the outputs (updated in place). Only the programs of the
     last ``queries`` rows of a request (all by default) normalise, rotate and store query heads.
-    Returns ``q [B, queries, H, D]`` and the caches."""
+    With ``partials_SRC`` (float32 ``[S, R, C]``, ``R >= B * N``) the program of row m sums row m of the
+    partials and rounds it to ``qkv``'s dtype in place of reading ``qkv`` (``summed_partials`` of the reference),
+    whose values are then not read. Returns ``q [B, queries, H, D]`` and the caches."""
     check_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads, kv_heads)
+    check_partials(partials_SRC, qkv_BNC)
     queries = check_queries(queries, qkv_BNC.shape[1])
     head_dim = qkv_BNC.shape[-1] // (heads + 2 * kv_heads)
     batch, num_layers = qkv_BNC.shape[0], k_LBKSD.shape[0]
@@ -103,20 +109,25 @@ def qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v
     if not kernel_supports(qkv_BNC, heads, kv_heads):
         raise ValueError(f"the qk_norm_rope kernel needs powers of two for heads ({heads}), kv_heads ({kv_heads}) "
                          f"and head_dim / 2 ({head_dim // 2})")
-    return _qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD,
-                               jnp.asarray(lengths_B, jnp.int32), layer=int(layer), heads=int(heads),
+    qkv = qkv_BNC if partials_SRC is None else jax.ShapeDtypeStruct(qkv_BNC.shape, qkv_BNC.dtype)
+    return _qk_norm_rope_write(qkv, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD,
+                               jnp.asarray(lengths_B, jnp.int32), partials_SRC, layer=int(layer), heads=int(heads),
                                kv_heads=int(kv_heads), eps=float(eps), queries=queries, interpret=bool(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "heads", "kv_heads", "eps", "queries", "interpret"))
-def _qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, heads,
-                        kv_heads, eps, queries, interpret):
+def _qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, partials_SRC=None,
+                        *, layer, heads, kv_heads, eps, queries, interpret):
+    """The launch; ``qkv_BNC`` may be a `jax.ShapeDtypeStruct` when ``partials_SRC`` is given."""
     batch, num, cols = qkv_BNC.shape
     head_dim, num_slots = cols // (heads + 2 * kv_heads), k_LBKSD.shape[3]
     whole = pl.BlockSpec()
     cache_spec = pl.BlockSpec((None, None, kv_heads, num_slots, head_dim), lambda m: (layer, m // num, 0, 0, 0))
     kernel = functools.partial(_write_kernel, heads=heads, kv_heads=kv_heads, half=head_dim // 2, eps=eps,
-                               num_new=num, queries=queries)
+                               num_new=num, queries=queries, dtype=qkv_BNC.dtype)
+    # Head rows [M * (H + 2K), D], or the partials' [S, R * (H + 2K), D]: a program gathers its rows by index.
+    rows = (qkv_BNC.reshape(-1, head_dim) if partials_SRC is None
+            else partials_SRC.reshape(partials_SRC.shape[0], -1, head_dim))
     q, k_LBKSD, v_LBKSD = pl.pallas_call(
         kernel, grid=(batch * num,),
         in_specs=[whole] * 5 + [pl.BlockSpec((None,), lambda m: (m // num,)), cache_spec, cache_spec],
@@ -125,14 +136,14 @@ def _qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, 
                    *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_LBKSD, v_LBKSD))],
         input_output_aliases={6: 1, 7: 2}, interpret=interpret, name="qk_norm_rope_write",
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-    )(*_row_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, head_dim), lengths_B, k_LBKSD, v_LBKSD)
+    )(rows, *_row_operands(q_norm_D, k_norm_D, cos_BNF, sin_BNF), lengths_B, k_LBKSD, v_LBKSD)
     return q.reshape(batch, queries, heads, head_dim), k_LBKSD, v_LBKSD
 
 
-def _row_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, head_dim):
-    """The kernels' operands: ``qkv`` as head rows ``[M * (H + 2K), D]``, the tables as ``[M, D / 2]``."""
-    rows = qkv_BNC.shape[0] * qkv_BNC.shape[1]
-    return (qkv_BNC.reshape(-1, head_dim), q_norm_D, k_norm_D, cos_BNF.reshape(rows, -1), sin_BNF.reshape(rows, -1))
+def _row_operands(q_norm_D, k_norm_D, cos_BNF, sin_BNF):
+    """The norms, and the rotation tables as ``[M, D / 2]``."""
+    rows = cos_BNF.shape[0] * cos_BNF.shape[1]
+    return q_norm_D, k_norm_D, cos_BNF.reshape(rows, -1), sin_BNF.reshape(rows, -1)
 
 
 def _kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, heads, kv_heads, half, eps):
@@ -140,7 +151,7 @@ def _kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, q_ref, k_ref, v_r
     m = pl.program_id(0)
     _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, _rows_store(q_ref, m, heads, half),
                    _rows_store(k_ref, m, kv_heads, half), _rows_store(v_ref, m, kv_heads, half), heads=heads,
-                   kv_heads=kv_heads, half=half, eps=eps)
+                   kv_heads=kv_heads, half=half, eps=eps, dtype=qkv_ref.dtype)
 
 
 def _rows_store(out_ref, m, count, half):
@@ -152,11 +163,11 @@ def _rows_store(out_ref, m, count, half):
 
 
 def _write_kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, lengths_ref, k_in_ref, v_in_ref, q_ref, k_ref,
-                  v_ref, *, heads, kv_heads, half, eps, num_new, queries):
+                  v_ref, *, heads, kv_heads, half, eps, num_new, queries, dtype):
     """Program m: token row m = (b, n); its key and value heads into slot ``lengths[b] + n`` of request
     b's ``[K, S, D]`` layer caches (``k_in_ref``/``v_in_ref`` are the same buffers as ``k_ref``/``v_ref``),
     and, for the last ``queries`` rows of the request, its query heads as rows of ``q``
-    (``[B * queries * H, D]``)."""
+    (``[B * queries * H, D]``). ``qkv_ref``: head rows, or the partials' (summed, rounded to ``dtype``)."""
     del k_in_ref, v_in_ref
     m = pl.program_id(0)
     n = m % num_new
@@ -166,34 +177,38 @@ def _write_kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, lengths_ref
     def into_slot(cache_ref):
         def store(y1, y2):  # rounded to the activations' dtype first, as the reference's heads are
             for c0, y in ((0, y1), (half, y2)):
-                store_slot(cache_ref, slot, y.astype(qkv_ref.dtype), first_col=c0)
+                store_slot(cache_ref, slot, y.astype(dtype), first_col=c0)
         return store
 
     q_row = (m // num_new) * queries + n - skipped
     _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, _rows_store(q_ref, q_row, heads, half),
                    into_slot(k_ref), into_slot(v_ref), heads=heads, kv_heads=kv_heads, half=half, eps=eps,
-                   with_q=n >= skipped if skipped else None)
+                   dtype=dtype, with_q=n >= skipped if skipped else None)
 
 
 def _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, store_q, store_k, store_v, *, heads,
-                   kv_heads, half, eps, with_q=None):
+                   kv_heads, half, eps, dtype, with_q=None):
     """Token row m: its query and key heads normalised and rotated, its value heads as they are, each
     passed to its store as two ``[count, D / 2]`` halves; the query heads only where ``with_q`` (a
     traced bool; ``None``: always). The halves ``x[:D/2]``, ``x[D/2:]`` are loaded apart, so the
-    rotation pairs them without moving data within registers."""
+    rotation pairs them without moving data within registers. ``qkv_ref`` holds head rows ``[*, D]``
+    in ``dtype``, or float32 split-K partials ``[S, *, D]``, summed here and rounded to ``dtype``."""
     row = pl.ds(m, 1)
     cos_1F, sin_1F = (plt.load(ref.at[row, :]) for ref in (cos_ref, sin_ref))
 
     def halves(first, count):
-        """Heads [first, first + count) of row m as two [count, D / 2] blocks."""
+        """Heads [first, first + count) of row m as two [count, D / 2] blocks in ``dtype``."""
         src = pl.ds(m * (heads + 2 * kv_heads) + first, count)
-        return tuple(plt.load(qkv_ref.at[src, pl.ds(c0, half)]) for c0 in (0, half))
+        if len(qkv_ref.shape) == 2:
+            return tuple(plt.load(qkv_ref.at[src, pl.ds(c0, half)]) for c0 in (0, half))
+        return tuple(sum(plt.load(qkv_ref.at[jnp.int32(s), src, pl.ds(c0, half)]) for s in range(qkv_ref.shape[0]))
+                     .astype(dtype) for c0 in (0, half))
 
     def norm_rope(first, count, norm_ref, store):
         x1, x2 = (x.astype(jnp.float32) for x in halves(first, count))
         mean_sq = (jnp.sum(x1 * x1, axis=1, keepdims=True) + jnp.sum(x2 * x2, axis=1, keepdims=True)) / (2 * half)
         inv_X1 = lax.rsqrt(mean_sq + eps)
-        dtype = qkv_ref.dtype  # rms_norm rounds the normalised x, then its product with the weight
+        # rms_norm rounds the normalised x to dtype, then its product with the weight
 
         def scaled(x, c0):
             w_1F = plt.load(norm_ref.at[pl.ds(c0, half)]).astype(jnp.float32)[None, :]

@@ -63,17 +63,44 @@ def qk_norm_rope_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, hea
 
 
 def qk_norm_rope_write_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *,
-                                 layer: int, heads: int, kv_heads: int, eps: float, queries: int | None = None):
+                                 layer: int, heads: int, kv_heads: int, eps: float, queries: int | None = None,
+                                 partials_SRC=None):
     """`qk_norm_rope_reference`, then its keys and values written into ``layer`` of the stacked caches
     ``[L, B, K, S, D]`` at slots ``[lengths[b], lengths[b] + N)`` (`kv_write_reference`; past the end:
     dropped). Returns the queries of the last ``queries`` rows (all ``N`` by default; the DFlash
     drafter's context rows have keys and values but no queries), ``q [B, queries, heads, D]``, and the
-    two caches."""
+    two caches. With ``partials_SRC``, float32 split-K partials of the q/k/v product ``[S, R, C]`` (``R >=
+    B * N``, rows past ``B * N`` padding), the projection is `summed_partials` (``qkv``'s values unread)."""
+    check_partials(partials_SRC, qkv_BNC)
+    if partials_SRC is not None:
+        qkv_BNC = summed_partials(partials_SRC, qkv_BNC.shape, qkv_BNC.dtype)
     q_BNHD, k_BNKD, v_BNKD = qk_norm_rope_reference(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads=heads,
                                                     kv_heads=kv_heads, eps=eps)
     num = qkv_BNC.shape[1]
     return (q_BNHD[:, num - check_queries(queries, num):],
             *kv_write_reference(k_LBKSD, v_LBKSD, k_BNKD, v_BNKD, lengths_B, layer=layer))
+
+
+def summed_partials(partials_SRC, shape, dtype):
+    """The product whose split-K partials are ``partials [S, R, C]``: their sum over ``S`` (in order, float32)
+    rounded to ``dtype``, its first ``B * N`` rows as ``shape = (B, N, C)``."""
+    total_RC = partials_SRC[0]
+    for part_RC in partials_SRC[1:]:
+        total_RC = total_RC + part_RC
+    return total_RC[:shape[0] * shape[1]].astype(dtype).reshape(shape)
+
+
+def check_partials(partials_SRC, qkv_BNC) -> None:
+    """ValueError unless ``partials_SRC`` is ``None`` or float32 ``[S, R, C]`` partials of ``qkv [B, N, C]``'s
+    product (``R >= B * N``)."""
+    if partials_SRC is None:
+        return
+    batch, num, cols = qkv_BNC.shape
+    shape = jnp.shape(partials_SRC)
+    if len(shape) != 3 or shape[0] < 1 or shape[1] < batch * num or shape[2] != cols \
+            or partials_SRC.dtype != jnp.float32:
+        raise ValueError(f"partials_SRC must be float32 [S, R, {cols}] with R >= {batch * num} (qkv_BNC's rows), "
+                         f"got {partials_SRC.dtype} {shape}")
 
 
 def check_queries(queries, num: int) -> int:

@@ -275,7 +275,7 @@ def test_drafter_with_the_residual_norm_kernel_equals_xla(monkeypatch):
     from experiments.check_kernels import check_drafter
     from pallas_kernels.matmul_reference import matmul_reference
 
-    fused, seen = kernels.residual_norm_product(matmul_reference, 4, 2, interpret=True), []
+    fused, seen = kernels.residual_norm_product(matmul_reference, 4, lambda k: 2, interpret=True), []
 
     def counted(x, w, **kw):
         out = fused(x, w, **kw)

@@ -15,7 +15,7 @@ from pallas_kernels.matmul_reference import rms_norm
 from pallas_kernels.qk_norm_rope import (_qk_norm_rope, _qk_norm_rope_write, kernel_supports, qk_norm_rope,
                                          qk_norm_rope_write)
 from pallas_kernels.qk_norm_rope_reference import (qk_norm_rope_reference, qk_norm_rope_write_reference, rope_tables,
-                                                   rotate)
+                                                   rotate, summed_partials)
 
 
 def operands(seed, batch, num, heads, kv_heads, head_dim, dtype=jnp.float32, max_position=4096):
@@ -148,6 +148,60 @@ def test_write_interpret_matches_reference(batch, num, log_heads, log_kv, log_ha
     np.testing.assert_array_equal(np.asarray(outs[2]), np.asarray(refs[2]))
 
 
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 3), num=st.integers(1, 5), chunks=st.integers(1, 4), pad=st.integers(0, 3),
+       log_half=st.integers(0, 3), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), seed=st.integers(0, 2**16),
+       data=st.data())
+def test_write_from_partials_matches_reference(batch, num, chunks, pad, log_half, dtype, seed, data):
+    """Given the float32 partials of a split-K (rows padded), the kernel sums each row's in order and gives the
+    reference's result on their sum, the value cache bit for bit; so does the reference given the partials."""
+    heads, kv_heads, head_dim = 4, 2, 2 << log_half
+    qkv, *rest = operands(seed, batch, num, heads, kv_heads, head_dim, dtype)
+    partials = jax.random.normal(jax.random.key(seed + 7), (chunks, batch * num + pad, qkv.shape[-1]), jnp.float32)
+    qkv = summed_partials(partials, qkv.shape, dtype)
+    lengths = jnp.asarray(data.draw(st.lists(st.integers(0, 6), min_size=batch, max_size=batch)), jnp.int32)
+    args = (qkv, *rest, *cache_operands(seed, 1, batch, kv_heads, 6, head_dim, dtype), lengths)
+    kwargs = dict(layer=0, heads=heads, kv_heads=kv_heads, eps=1e-6, queries=data.draw(st.sampled_from([None, 1])))
+    outs = qk_norm_rope_write(*args, partials_SRC=partials, interpret=True, **kwargs)
+    refs = qk_norm_rope_write_reference(*args, **kwargs)
+    assert_close(outs, refs, dtype)
+    np.testing.assert_array_equal(np.asarray(outs[2], np.float32), np.asarray(refs[2], np.float32))
+    from_partials = qk_norm_rope_write_reference(jnp.zeros_like(qkv), *args[1:], partials_SRC=partials, **kwargs)
+    for a, b in zip(from_partials, refs, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_summed_partials_add_the_chunks_in_order_then_round():
+    parts = jnp.asarray([[[1.0, 2.0**-9], [5.0, 6.0]], [[2.0**-9, 2.0**-9], [7.0, 8.0]],
+                         [[0.5, 0.0], [0.0, 0.0]]], jnp.float32)
+    got = summed_partials(parts, (1, 1, 2), jnp.bfloat16)
+    # 1 + 2^-9 + 0.5 = 1.501953125 rounds to 1.5 in bf16; 2^-8 is exact
+    np.testing.assert_array_equal(np.asarray(got, np.float32), [[[1.5, 2.0**-8]]])
+
+
+def test_write_refuses_partials_that_do_not_fit():
+    args = (*operands(0, 2, 3, 4, 2, 16), *cache_operands(0, 1, 2, 2, 5, 16, jnp.float32), jnp.zeros((2,), jnp.int32))
+    kwargs = dict(layer=0, heads=4, kv_heads=2, eps=1e-6, interpret=True)
+    cols = args[0].shape[-1]
+    for bad in (jnp.zeros((2, 5, cols), jnp.float32), jnp.zeros((2, 6, cols), jnp.bfloat16),
+                jnp.zeros((2, 6, cols + 1), jnp.float32), jnp.zeros((6, cols), jnp.float32)):
+        with pytest.raises(ValueError, match="partials_SRC must be float32"):
+            qk_norm_rope_write(*args, partials_SRC=bad, **kwargs)
+
+
+@pytest.mark.parametrize("num, rows", [(1, 16), (64, 64)])
+def test_write_from_partials_lowers_to_valid_triton_ir_at_qwen3_shapes(num, rows):
+    S = jax.ShapeDtypeStruct
+    cache = S((36, 1, 8, 1100, 128), jnp.bfloat16)
+    args = (S((1, num, 48 * 128), jnp.bfloat16), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
+            S((1, num, 64), jnp.float32), S((1, num, 64), jnp.float32), cache, cache, S((1,), jnp.int32),
+            S((4, rows, 48 * 128), jnp.float32))
+    fn = functools.partial(_qk_norm_rope_write, layer=35, heads=32, kv_heads=8, eps=1e-6, queries=num,
+                           interpret=False)
+    [module] = verified_triton_modules(fn, *args)
+    assert module.count("tt.load") >= 4 * 5  # q, k and v heads' halves from each of the 4 partials
+
+
 def test_write_reference_queries_are_the_last_rows_of_all():
     args = (*operands(3, 2, 5, 4, 2, 16), *cache_operands(3, 1, 2, 2, 9, 16, jnp.float32), jnp.asarray([0, 3]))
     kwargs = dict(layer=0, heads=4, kv_heads=2, eps=1e-6)
@@ -201,6 +255,70 @@ def test_gpu_equality_script_rope_write_checks_run_interpreted():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from experiments.check_kernels import check_rope_write
 
-    cases = [(2, 2, 3, 4, 2, 5, [0, 4], "bfloat16", None), (1, 1, 2, 2, 1, 8, [3], "float32", None),
-             (1, 2, 5, 4, 2, 9, [0, 3], "bfloat16", 3)]
-    assert [r["ok"] for r in check_rope_write(interpret=True, cases=cases, head_dim=16)] == [True] * 3
+    cases = [(2, 2, 3, 4, 2, 5, [0, 4], "bfloat16", None, 0), (1, 1, 2, 2, 1, 8, [3], "float32", None, 0),
+             (1, 2, 5, 4, 2, 9, [0, 3], "bfloat16", 3, 0), (1, 1, 1, 4, 2, 5, [2], "bfloat16", None, 4),
+             (2, 2, 3, 4, 2, 9, [0, 3], "float32", 2, 2)]
+    assert [r["ok"] for r in check_rope_write(interpret=True, cases=cases, head_dim=16)] == [True] * 5
+
+
+def test_partials_product_hands_over_padded_partials_of_plain_products():
+    """A product asked ``with_partials`` (with or without its RMSNorm prologue) returns the partials of ``x``
+    padded to ``min_rows`` and their rounded sum, within a rounding of the reference; any other product is
+    the wrapped one's, with no partials."""
+    from ddtree_jax import kernels
+    from pallas_kernels.matmul_reference import matmul_reference
+
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(keys[0], (3, 32), jnp.bfloat16)
+    w = (0.2 * jax.random.normal(keys[1], (32, 24))).astype(jnp.bfloat16)
+    norm = (1 + 0.1 * jax.random.normal(keys[2], (32,))).astype(jnp.bfloat16)
+    split = kernels.partials_product(matmul_reference, 8, lambda k: 4)
+    for kwargs in ({}, dict(norm_K=norm, eps=1e-5)):
+        y, partials = split(x, w, with_partials=True, **kwargs)
+        assert partials.shape == (4, 8, 24) and partials.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(partials[:, 3:]), 0.0)
+        np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                      np.asarray(summed_partials(partials, (1, 3, 24), y.dtype)[0], np.float32))
+        np.testing.assert_allclose(np.asarray(y, np.float32),
+                                   np.asarray(matmul_reference(x, w, **kwargs), np.float32), rtol=2e-2, atol=2e-2)
+    y, partials = split(x, w, with_partials=True, columns=(0, 8))
+    assert partials is None and y.shape == (3, 8)
+    y, partials = kernels.partials_product(matmul_reference, 2, lambda k: 5)(x, w, with_partials=True)
+    assert partials is None  # 5 chunks do not divide K = 32
+    np.testing.assert_array_equal(np.asarray(split(x, w), np.float32), np.asarray(matmul_reference(x, w), np.float32))
+
+
+def test_forward_with_partials_into_the_kernel_equals_the_xla_forward(monkeypatch):
+    """A small Qwen3 target's verify forward whose q/k/v products hand their split-K partials to the
+    interpreted norm + RoPE + write kernel gives the XLA forward's logits and caches within bf16 rounding."""
+    from ddtree_jax import kernels
+    from ddtree_jax.models import KVCache, Qwen3Config, init_target, target_forward
+    from pallas_kernels.matmul_reference import matmul_reference
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    target = init_target(cfg, jax.random.key(0), jnp.bfloat16)
+    split, handed = kernels.partials_product(matmul_reference, 8, lambda k: 2), []
+
+    def counted(x, w, **kwargs):
+        out = split(x, w, **kwargs)
+        handed.append(kwargs.get("with_partials", False) and out[1] is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "matmul_fn",
+                        lambda impl, mesh=None: counted if impl == "interpret" else matmul_reference)
+    keys = jax.random.split(jax.random.key(1), 3)
+    num = 3
+    cache = KVCache(*(jax.random.normal(k, (2, 1, 2, 8 + num, 16), jnp.bfloat16) for k in keys[:2]),
+                    lengths=jnp.full((1,), 8, jnp.int32))
+    tokens = jax.random.randint(keys[2], (1, num), 0, 64)
+    positions = 8 + jnp.arange(num, dtype=jnp.int32)[None]
+    mask = jnp.tril(jnp.ones((num, num), bool))[None]
+    jax.clear_caches()
+    got = target_forward(target, tokens, positions, mask, cache, attention_impl="interpret", matmul_impl="interpret")
+    want = target_forward(target, tokens, positions, mask, cache)
+    jax.clear_caches()
+    assert sum(handed) == 2  # each layer's q/k/v product
+    scale = float(jnp.abs(want[0]).max())
+    for a, b in ((got[0], want[0]), (got[2].k, want[2].k), (got[2].v, want[2].v)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=0.05 * max(scale, 1.0))

@@ -109,7 +109,7 @@ def test_lowers_to_valid_triton_at_qwen3_8b_shapes():
 
 
 def products(min_rows=3, splits=2):
-    return kernels.residual_norm_product(matmul_reference, min_rows, splits, interpret=True)
+    return kernels.residual_norm_product(matmul_reference, min_rows, lambda k: splits, interpret=True)
 
 
 @pytest.mark.parametrize("rows", [3, 7])
@@ -153,20 +153,34 @@ def test_residual_norm_product_leaves_other_products_as_they_are():
 
 def test_auto_matmul_finishes_many_rows_by_the_kernel_on_hopper(monkeypatch):
     """On an sm_90 GPU without a mesh ``auto`` wraps the padded XLA product in `residual_norm_product` with
-    the measured rows and splits; elsewhere the reference leaves the norm to the next product."""
+    the measured rows and splits, then in `partials_product` (padded as XLA's products are); elsewhere the
+    reference leaves the norm to the next product."""
     from pallas_kernels import configs
     from ddtree_jax.sharding import make_mesh
 
     calls = []
     monkeypatch.setattr(configs, "device_capability", lambda: (9, 0))
     monkeypatch.setattr(kernels, "pallas_gpu", lambda: True)
-    monkeypatch.setattr(kernels, "residual_norm_product", lambda product, rows, splits: calls.append((rows, splits)))
-    kernels.matmul_fn("auto")
-    assert calls == [(kernels.RESIDUAL_NORM_MIN_ROWS[(9, 0)], kernels.RESIDUAL_NORM_SPLITS)]
-    assert kernels.matmul_fn("auto", make_mesh(1, 1)) is matmul_reference and len(calls) == 1
+    monkeypatch.setattr(kernels, "residual_norm_product",
+                        lambda product, rows, splits: calls.append(("norm", rows, splits)) or "norm")
+    monkeypatch.setattr(kernels, "partials_product",
+                        lambda product, rows, splits: calls.append((product, rows, splits)) or "partials")
+    assert kernels.matmul_fn("auto") == "partials"
+    assert calls == [("norm", kernels.RESIDUAL_NORM_MIN_ROWS[(9, 0)], kernels.split_k_chunks),
+                     ("norm", kernels.XLA_MIN_ROWS[(9, 0)], kernels.split_k_chunks)]
+    assert kernels.matmul_fn("auto", make_mesh(1, 1)) is matmul_reference and len(calls) == 2
     assert kernels.matmul_fn("xla") is matmul_reference
     y, normed = matmul_reference(jnp.ones((2, 4)), jnp.ones((4, 3)), then_norm_N=jnp.ones(3))
     assert normed is None and y.shape == (2, 3)
+
+
+def test_split_k_chunks_cut_k_into_the_fewest_short_chunks(monkeypatch):
+    """The fewest chunks, a power of two from the minimum, of at most the chunk limit: 4 for Qwen3-8B's
+    attention output and q/k/v products (K = 4096), 8 for its down product (12,288)."""
+    assert [kernels.split_k_chunks(k) for k in (64, 4096, 6144, 6145, 12288, 25600)] == [4, 4, 4, 8, 8, 32]
+    monkeypatch.setattr(kernels, "SPLIT_K_MAX_CHUNK", 512)
+    monkeypatch.setattr(kernels, "SPLIT_K_MIN_CHUNKS", 2)
+    assert [kernels.split_k_chunks(k) for k in (512, 1024, 1025, 4096)] == [2, 2, 4, 8]
 
 
 def test_forward_with_the_kernel_equals_the_xla_forward(monkeypatch):

@@ -47,10 +47,13 @@ def layer_shape(config) -> LayerShape:
 def project(matmul, x_BNK, w_KN, *, residual_BNM=None, **kwargs):
     """``matmul`` (a `kernels.matmul_fn`, see ``matmul_reference`` for ``kwargs``) over the rows of
     ``x [B, N, K]``, plus ``residual [B, N, M]`` if given: ``[B, N, M]`` (with ``then_norm_N``, the pair
-    ``matmul`` returns, each array ``[B, N, M]``)."""
+    ``matmul`` returns, each array ``[B, N, M]``; with ``with_partials``, the result ``[B, N, M]`` and the
+    partials as ``matmul`` returns them, ``[S, R, M]`` or ``None``)."""
     batch, num = x_BNK.shape[:2]
     residual_MN = None if residual_BNM is None else residual_BNM.reshape(batch * num, -1)
     out = matmul(x_BNK.reshape(batch * num, -1), w_KN, residual_MN=residual_MN, **kwargs)
+    if kwargs.get("with_partials"):
+        return out[0].reshape(batch, num, -1), out[1]
     if isinstance(out, tuple):
         return tuple(None if y is None else y.reshape(batch, num, -1) for y in out)
     return out.reshape(batch, num, -1)
@@ -85,6 +88,7 @@ class HeadInputs:
     heads: int
     kv_heads: int
     eps: float
+    partials_SRC: jax.Array | None = None  # the product's split-K partials, where ``matmul`` hands them over
 
     @property
     def args(self) -> tuple:
@@ -107,17 +111,20 @@ def attention_inputs(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, ma
     prologue, or ``normed [B, N, D]``, ``x`` normalised already), with the layer's q/k norms and the
     forward's ``(cos, sin)`` `rope_tables` ``rope_BNF``. With ``context [B, C, D]``, those rows, not
     normalised, come first in the same product (its ``[B, C + N, ...]`` rows; ``rope_BNF`` covers them
-    first)."""
+    first). The product is asked ``with_partials``: its split-K partials, where ``matmul`` hands them over,
+    go with the inputs for a kernel that sums them itself."""
     if context_BCD is None and normed_BND is None:
-        qkv_BNC = project(matmul, x_BND, layer.wqkv, norm_K=layer.input_norm, eps=shape.rms_norm_eps)
+        qkv_BNC, partials_SRC = project(matmul, x_BND, layer.wqkv, norm_K=layer.input_norm, eps=shape.rms_norm_eps,
+                                        with_partials=True)
     elif context_BCD is None:
-        qkv_BNC = project(matmul, normed_BND, layer.wqkv)
+        qkv_BNC, partials_SRC = project(matmul, normed_BND, layer.wqkv, with_partials=True)
     else:
         if normed_BND is None:
             normed_BND = rms_norm(x_BND, layer.input_norm, shape.rms_norm_eps)
-        qkv_BNC = project(matmul, jnp.concatenate([context_BCD, normed_BND], axis=1), layer.wqkv)
+        qkv_BNC, partials_SRC = project(matmul, jnp.concatenate([context_BCD, normed_BND], axis=1), layer.wqkv,
+                                        with_partials=True)
     return HeadInputs(qkv_BNC, layer.q_norm, layer.k_norm, *rope_BNF, heads=shape.num_attention_heads,
-                      kv_heads=shape.num_key_value_heads, eps=shape.rms_norm_eps)
+                      kv_heads=shape.num_key_value_heads, eps=shape.rms_norm_eps, partials_SRC=partials_SRC)
 
 
 def dense_mlp(layer: DecoderLayer, x_BND, shape: LayerShape, matmul=matmul_reference, h_BND=None, then_norm_D=None):
@@ -156,7 +163,8 @@ def cached_attend(mask_BNM, scale, impl: str = "xla", mesh=None, *, split_heads:
 
     def attend(i, inputs: HeadInputs, cache: KVCache):
         q_BNHD, k_LBKSD, v_LBKSD = norm_rope_write(*inputs.args, cache.k, cache.v, cache.lengths, layer=i,
-                                                   queries=mask_BNM.shape[1], **inputs.kwargs)
+                                                   queries=mask_BNM.shape[1], partials_SRC=inputs.partials_SRC,
+                                                   **inputs.kwargs)
         cache = KVCache(k=k_LBKSD, v=v_LBKSD, lengths=cache.lengths)
         return attend_fn(q_BNHD, cache.k, cache.v, cache.lengths, mask_BNM, scale=scale, layer=i), cache
 
