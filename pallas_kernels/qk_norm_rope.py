@@ -109,30 +109,31 @@ def qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v
     if not kernel_supports(qkv_BNC, heads, kv_heads):
         raise ValueError(f"the qk_norm_rope kernel needs powers of two for heads ({heads}), kv_heads ({kv_heads}) "
                          f"and head_dim / 2 ({head_dim // 2})")
-    qkv = qkv_BNC if partials_SRC is None else jax.ShapeDtypeStruct(qkv_BNC.shape, qkv_BNC.dtype)
-    return _qk_norm_rope_write(qkv, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD,
-                               jnp.asarray(lengths_B, jnp.int32), partials_SRC, layer=int(layer), heads=int(heads),
-                               kv_heads=int(kv_heads), eps=float(eps), queries=queries, interpret=bool(interpret))
-
-
-@functools.partial(jax.jit, static_argnames=("layer", "heads", "kv_heads", "eps", "queries", "interpret"))
-def _qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, partials_SRC=None,
-                        *, layer, heads, kv_heads, eps, queries, interpret):
-    """The launch; ``qkv_BNC`` may be a `jax.ShapeDtypeStruct` when ``partials_SRC`` is given."""
-    batch, num, cols = qkv_BNC.shape
-    head_dim, num_slots = cols // (heads + 2 * kv_heads), k_LBKSD.shape[3]
-    whole = pl.BlockSpec()
-    cache_spec = pl.BlockSpec((None, None, kv_heads, num_slots, head_dim), lambda m: (layer, m // num, 0, 0, 0))
-    kernel = functools.partial(_write_kernel, heads=heads, kv_heads=kv_heads, half=head_dim // 2, eps=eps,
-                               num_new=num, queries=queries, dtype=qkv_BNC.dtype)
     # Head rows [M * (H + 2K), D], or the partials' [S, R * (H + 2K), D]: a program gathers its rows by index.
     rows = (qkv_BNC.reshape(-1, head_dim) if partials_SRC is None
             else partials_SRC.reshape(partials_SRC.shape[0], -1, head_dim))
+    return _qk_norm_rope_write(rows, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD,
+                               jnp.asarray(lengths_B, jnp.int32), layer=int(layer), heads=int(heads),
+                               kv_heads=int(kv_heads), eps=float(eps), queries=queries, dtype=jnp.dtype(qkv_BNC.dtype),
+                               interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "heads", "kv_heads", "eps", "queries", "dtype", "interpret"))
+def _qk_norm_rope_write(rows, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer, heads,
+                        kv_heads, eps, queries, dtype, interpret):
+    """The launch over ``rows``: head rows ``[M * (H + 2K), D]`` in ``dtype``, or float32 partials ``[S, R * (H +
+    2K), D]``."""
+    batch, num = cos_BNF.shape[:2]
+    head_dim, num_slots = rows.shape[-1], k_LBKSD.shape[3]
+    whole = pl.BlockSpec()
+    cache_spec = pl.BlockSpec((None, None, kv_heads, num_slots, head_dim), lambda m: (layer, m // num, 0, 0, 0))
+    kernel = functools.partial(_write_kernel, heads=heads, kv_heads=kv_heads, half=head_dim // 2, eps=eps,
+                               num_new=num, queries=queries, dtype=dtype)
     q, k_LBKSD, v_LBKSD = pl.pallas_call(
         kernel, grid=(batch * num,),
         in_specs=[whole] * 5 + [pl.BlockSpec((None,), lambda m: (m // num,)), cache_spec, cache_spec],
         out_specs=[whole, cache_spec, cache_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch * queries * heads, head_dim), qkv_BNC.dtype),
+        out_shape=[jax.ShapeDtypeStruct((batch * queries * heads, head_dim), dtype),
                    *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_LBKSD, v_LBKSD))],
         input_output_aliases={6: 1, 7: 2}, interpret=interpret, name="qk_norm_rope_write",
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),

@@ -193,11 +193,10 @@ def test_write_refuses_partials_that_do_not_fit():
 def test_write_from_partials_lowers_to_valid_triton_ir_at_qwen3_shapes(num, rows):
     S = jax.ShapeDtypeStruct
     cache = S((36, 1, 8, 1100, 128), jnp.bfloat16)
-    args = (S((1, num, 48 * 128), jnp.bfloat16), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
-            S((1, num, 64), jnp.float32), S((1, num, 64), jnp.float32), cache, cache, S((1,), jnp.int32),
-            S((4, rows, 48 * 128), jnp.float32))
+    args = (S((4, rows * 48, 128), jnp.float32), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
+            S((1, num, 64), jnp.float32), S((1, num, 64), jnp.float32), cache, cache, S((1,), jnp.int32))
     fn = functools.partial(_qk_norm_rope_write, layer=35, heads=32, kv_heads=8, eps=1e-6, queries=num,
-                           interpret=False)
+                           dtype=jnp.dtype(jnp.bfloat16), interpret=False)
     [module] = verified_triton_modules(fn, *args)
     assert module.count("tt.load") >= 4 * 5  # q, k and v heads' halves from each of the 4 partials
 
@@ -225,10 +224,10 @@ def test_write_bf16_at_qwen3_head_shapes():
 def test_write_lowers_to_valid_triton_ir_at_qwen3_shapes(batch, num, queries):
     S = jax.ShapeDtypeStruct
     cache = S((36, batch, 8, 1100, 128), jnp.bfloat16)
-    args = (S((batch, num, 48 * 128), jnp.bfloat16), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
+    args = (S((batch * num * 48, 128), jnp.bfloat16), S((128,), jnp.bfloat16), S((128,), jnp.bfloat16),
             S((batch, num, 64), jnp.float32), S((batch, num, 64), jnp.float32), cache, cache, S((batch,), jnp.int32))
     fn = functools.partial(_qk_norm_rope_write, layer=35, heads=32, kv_heads=8, eps=1e-6, queries=queries,
-                           interpret=False)
+                           dtype=jnp.dtype(jnp.bfloat16), interpret=False)
     assert len(verified_triton_modules(fn, *args)) == 1
 
 
