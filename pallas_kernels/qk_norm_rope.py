@@ -3,15 +3,17 @@ the write of the new keys and values into the KV cache.
 
 Between the q/k/v projection and the attention, XLA runs this step as a few small fusions per
 layer (the two norms' reductions and scalings, the rotation, the slices), each a launch of about a
-microsecond on a few kilobytes, and the cache write as six more (see ``kv_write.py``). Here program
-``m`` of the grid ``(M,)`` reads token row ``m`` of the fused projection once and normalises and
-rotates its query and key heads. `qk_norm_rope` writes ``q``, ``k`` and ``v`` in their head
-layouts; `qk_norm_rope_write` writes ``q`` and stores the keys and values straight into the row's
-cache slot (masked off past the cache's end), the caches aliased to its outputs. `qk_norm_rope_write`
-also takes the projection as the float32 split-K partials of its product (``partials_SRC``): each
-program sums its row's partials, so the sum is not a launch of its own.
+microsecond on a few kilobytes, and the cache write as six more (see ``kv_write.py``). Here the
+programs ``(m, j)`` of the grid ``(M, G + 2)`` (``G = H / K``, `parts_per_row`) read token row ``m`` of
+the fused projection once between them: j < G normalises and rotates a group of K query heads, j = G
+the key heads, j = G + 1 moves the value heads (one program a row took the decode step's whole row on
+one SM). `qk_norm_rope` writes ``q``, ``k`` and ``v`` in their head layouts; `qk_norm_rope_write` writes
+``q`` and stores the keys and values straight into the row's cache slot (masked off past the cache's
+end), the caches aliased to its outputs. `qk_norm_rope_write` also takes the projection as the float32
+split-K partials of its product (``partials_SRC``): each program sums its heads' partials, so the sum
+is not a launch of its own.
 
-Head counts and ``head_dim / 2`` must be powers of two (`kernel_supports`). Same functions as
+Head counts and ``head_dim / 2`` must be powers of two, with ``H >= K`` (`kernel_supports`). Same functions as
 ``qk_norm_rope_reference`` and ``qk_norm_rope_write_reference``, within float32 rounding (the
 rotation may contract to fused multiply-adds). On an H200 at Qwen3-8B shapes `qk_norm_rope` alone
 (2.6 µs a layer) replaced 3.3 µs of XLA's fusions and no wall time, so ``auto`` does not pick it;
@@ -40,7 +42,7 @@ def qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads: int, k
     check_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads, kv_heads)
     if not kernel_supports(qkv_BNC, heads, kv_heads):
         raise ValueError(f"the qk_norm_rope kernel needs powers of two for heads ({heads}), kv_heads ({kv_heads}) "
-                         f"and head_dim / 2 ({qkv_BNC.shape[-1] // (heads + 2 * kv_heads) // 2})")
+                         f"and head_dim / 2 ({qkv_BNC.shape[-1] // (heads + 2 * kv_heads) // 2}), heads >= kv_heads")
     return _qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads=int(heads), kv_heads=int(kv_heads),
                          eps=float(eps), interpret=bool(interpret))
 
@@ -64,10 +66,11 @@ def check_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads, kv_head
 
 def kernel_supports(qkv_BNC, heads: int, kv_heads: int) -> bool:
     """Whether the kernel takes these operands: ``heads``, ``kv_heads`` and ``head_dim / 2`` powers of
-    two (Triton blocks; every Qwen3 model but the 40-head 14B), a floating dtype."""
+    two (Triton blocks; every Qwen3 model but the 40-head 14B), at least as many query heads as key/value
+    heads (grouped-query attention), a floating dtype."""
     head_dim = qkv_BNC.shape[-1] // (heads + 2 * kv_heads)
     return all(n >= 1 and n & (n - 1) == 0 for n in (heads, kv_heads, head_dim // 2)) and head_dim % 2 == 0 \
-        and jnp.issubdtype(qkv_BNC.dtype, jnp.floating)
+        and heads >= kv_heads and jnp.issubdtype(qkv_BNC.dtype, jnp.floating)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "kv_heads", "eps", "interpret"))
@@ -79,7 +82,8 @@ def _qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads, kv_he
     out_shape = tuple(jax.ShapeDtypeStruct((rows * h, head_dim), dtype) for h in (heads, kv_heads, kv_heads))
     kernel = functools.partial(_kernel, heads=heads, kv_heads=kv_heads, half=head_dim // 2, eps=eps)
     q, k, v = pl.pallas_call(
-        kernel, grid=(rows,), out_shape=out_shape, interpret=interpret, name="qk_norm_rope",
+        kernel, grid=(rows, parts_per_row(heads, kv_heads)), out_shape=out_shape, interpret=interpret,
+        name="qk_norm_rope",
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
     )(qkv_BNC.reshape(-1, head_dim), *_row_operands(q_norm_D, k_norm_D, cos_BNF, sin_BNF))
     return tuple(x.reshape(batch, num, -1, head_dim) for x in (q, k, v))
@@ -108,7 +112,7 @@ def qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v
                          f"{jnp.shape(lengths_B)}, layer {layer}")
     if not kernel_supports(qkv_BNC, heads, kv_heads):
         raise ValueError(f"the qk_norm_rope kernel needs powers of two for heads ({heads}), kv_heads ({kv_heads}) "
-                         f"and head_dim / 2 ({head_dim // 2})")
+                         f"and head_dim / 2 ({head_dim // 2}), heads >= kv_heads")
     # Head rows [M * (H + 2K), D], or the partials' [S, R * (H + 2K), D]: a program gathers its rows by index.
     rows = (qkv_BNC.reshape(-1, head_dim) if partials_SRC is None
             else partials_SRC.reshape(partials_SRC.shape[0], -1, head_dim))
@@ -126,12 +130,12 @@ def _qk_norm_rope_write(rows, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_L
     batch, num = cos_BNF.shape[:2]
     head_dim, num_slots = rows.shape[-1], k_LBKSD.shape[3]
     whole = pl.BlockSpec()
-    cache_spec = pl.BlockSpec((None, None, kv_heads, num_slots, head_dim), lambda m: (layer, m // num, 0, 0, 0))
+    cache_spec = pl.BlockSpec((None, None, kv_heads, num_slots, head_dim), lambda m, j: (layer, m // num, 0, 0, 0))
     kernel = functools.partial(_write_kernel, heads=heads, kv_heads=kv_heads, half=head_dim // 2, eps=eps,
                                num_new=num, queries=queries, dtype=dtype)
     q, k_LBKSD, v_LBKSD = pl.pallas_call(
-        kernel, grid=(batch * num,),
-        in_specs=[whole] * 5 + [pl.BlockSpec((None,), lambda m: (m // num,)), cache_spec, cache_spec],
+        kernel, grid=(batch * num, parts_per_row(heads, kv_heads)),
+        in_specs=[whole] * 5 + [pl.BlockSpec((None,), lambda m, j: (m // num,)), cache_spec, cache_spec],
         out_specs=[whole, cache_spec, cache_spec],
         out_shape=[jax.ShapeDtypeStruct((batch * queries * heads, head_dim), dtype),
                    *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_LBKSD, v_LBKSD))],
@@ -148,29 +152,32 @@ def _row_operands(q_norm_D, k_norm_D, cos_BNF, sin_BNF):
 
 
 def _kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, heads, kv_heads, half, eps):
-    """Program m: token row m, its heads stored as rows of ``q``, ``k`` and ``v``."""
-    m = pl.program_id(0)
-    _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, _rows_store(q_ref, m, heads, half),
-                   _rows_store(k_ref, m, kv_heads, half), _rows_store(v_ref, m, kv_heads, half), heads=heads,
-                   kv_heads=kv_heads, half=half, eps=eps, dtype=qkv_ref.dtype)
+    """Program (m, j): part j of token row m (`_norm_rope_part`), its heads stored as rows of ``q``, ``k`` and
+    ``v``."""
+    m, j = pl.program_id(0), pl.program_id(1)
+    _norm_rope_part(m, j, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref,
+                    lambda j: _rows_store(q_ref, m * heads + j * kv_heads, kv_heads, half),
+                    _rows_store(k_ref, m * kv_heads, kv_heads, half), _rows_store(v_ref, m * kv_heads, kv_heads, half),
+                    heads=heads, kv_heads=kv_heads, half=half, eps=eps, dtype=qkv_ref.dtype)
 
 
-def _rows_store(out_ref, m, count, half):
-    """The store of row m's ``count`` heads as rows ``[m * count, (m + 1) * count)`` of ``out [*, D]``."""
+def _rows_store(out_ref, first, count, half):
+    """The store of ``count`` heads as rows ``[first, first + count)`` of ``out [*, D]``."""
     def store(y1, y2):
         for c0, y in ((0, y1), (half, y2)):
-            plt.store(out_ref.at[pl.ds(m * count, count), pl.ds(c0, half)], y.astype(out_ref.dtype))
+            plt.store(out_ref.at[pl.ds(first, count), pl.ds(c0, half)], y.astype(out_ref.dtype))
     return store
 
 
 def _write_kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, lengths_ref, k_in_ref, v_in_ref, q_ref, k_ref,
                   v_ref, *, heads, kv_heads, half, eps, num_new, queries, dtype):
-    """Program m: token row m = (b, n); its key and value heads into slot ``lengths[b] + n`` of request
-    b's ``[K, S, D]`` layer caches (``k_in_ref``/``v_in_ref`` are the same buffers as ``k_ref``/``v_ref``),
-    and, for the last ``queries`` rows of the request, its query heads as rows of ``q``
-    (``[B * queries * H, D]``). ``qkv_ref``: head rows, or the partials' (summed, rounded to ``dtype``)."""
+    """Program (m, j): part j of token row m = (b, n) (`_norm_rope_part`); its key and value heads into slot
+    ``lengths[b] + n`` of request b's ``[K, S, D]`` layer caches (``k_in_ref``/``v_in_ref`` are the same
+    buffers as ``k_ref``/``v_ref``), and, for the last ``queries`` rows of the request, its query heads as
+    rows of ``q`` (``[B * queries * H, D]``). ``qkv_ref``: head rows, or the partials' (summed, rounded to
+    ``dtype``)."""
     del k_in_ref, v_in_ref
-    m = pl.program_id(0)
+    m, j = pl.program_id(0), pl.program_id(1)
     n = m % num_new
     slot = lengths_ref[()] + n
     skipped = num_new - queries  # rows of a request without queries, its first
@@ -182,31 +189,41 @@ def _write_kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, lengths_ref
         return store
 
     q_row = (m // num_new) * queries + n - skipped
-    _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, _rows_store(q_ref, q_row, heads, half),
-                   into_slot(k_ref), into_slot(v_ref), heads=heads, kv_heads=kv_heads, half=half, eps=eps,
-                   dtype=dtype, with_q=n >= skipped if skipped else None)
+    _norm_rope_part(m, j, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref,
+                    lambda j: _rows_store(q_ref, q_row * heads + j * kv_heads, kv_heads, half), into_slot(k_ref),
+                    into_slot(v_ref), heads=heads, kv_heads=kv_heads, half=half, eps=eps, dtype=dtype,
+                    with_q=n >= skipped if skipped else None)
 
 
-def _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, store_q, store_k, store_v, *, heads,
-                   kv_heads, half, eps, dtype, with_q=None):
-    """Token row m: its query and key heads normalised and rotated, its value heads as they are, each
-    passed to its store as two ``[count, D / 2]`` halves; the query heads only where ``with_q`` (a
-    traced bool; ``None``: always). The halves ``x[:D/2]``, ``x[D/2:]`` are loaded apart, so the
-    rotation pairs them without moving data within registers. ``qkv_ref`` holds head rows ``[*, D]``
-    in ``dtype``, or float32 split-K partials ``[S, *, D]``, summed here and rounded to ``dtype``."""
+def parts_per_row(heads: int, kv_heads: int) -> int:
+    """Programs a token row takes: one per group of ``kv_heads`` query heads, one for its keys, one for its
+    values."""
+    return heads // kv_heads + 2
+
+
+def _norm_rope_part(m, j, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, store_q, store_k, store_v, *, heads,
+                    kv_heads, half, eps, dtype, with_q=None):
+    """Part j of token row m (`parts_per_row`; ``G = heads / kv_heads``): for j < G its query heads ``[j K,
+    (j + 1) K)`` normalised and rotated, passed to ``store_q(j)`` where ``with_q`` (a traced bool; ``None``:
+    always); for j = G its key heads normalised and rotated, to ``store_k``; for j = G + 1 its value heads
+    as they are, to ``store_v``. Each store takes two ``[K, D / 2]`` halves: ``x[:D/2]``, ``x[D/2:]`` are
+    loaded apart, so the rotation pairs them without moving data within registers. ``qkv_ref`` holds
+    head rows ``[*, D]`` in ``dtype``, or float32 split-K partials ``[S, *, D]``, summed here and rounded
+    to ``dtype``. Several programs a row: one row's projection is too little work for one program."""
     row = pl.ds(m, 1)
-    cos_1F, sin_1F = (plt.load(ref.at[row, :]) for ref in (cos_ref, sin_ref))
+    group = heads // kv_heads
 
-    def halves(first, count):
-        """Heads [first, first + count) of row m as two [count, D / 2] blocks in ``dtype``."""
-        src = pl.ds(m * (heads + 2 * kv_heads) + first, count)
+    def halves(first):
+        """Heads [first, first + K) of row m as two [K, D / 2] blocks in ``dtype``."""
+        src = pl.ds(m * (heads + 2 * kv_heads) + first, kv_heads)
         if len(qkv_ref.shape) == 2:
             return tuple(plt.load(qkv_ref.at[src, pl.ds(c0, half)]) for c0 in (0, half))
         return tuple(sum(plt.load(qkv_ref.at[jnp.int32(s), src, pl.ds(c0, half)]) for s in range(qkv_ref.shape[0]))
                      .astype(dtype) for c0 in (0, half))
 
-    def norm_rope(first, count, norm_ref, store):
-        x1, x2 = (x.astype(jnp.float32) for x in halves(first, count))
+    def norm_rope(first, norm_ref, store):
+        cos_1F, sin_1F = (plt.load(ref.at[row, :]) for ref in (cos_ref, sin_ref))
+        x1, x2 = (x.astype(jnp.float32) for x in halves(first))
         mean_sq = (jnp.sum(x1 * x1, axis=1, keepdims=True) + jnp.sum(x2 * x2, axis=1, keepdims=True)) / (2 * half)
         inv_X1 = lax.rsqrt(mean_sq + eps)
         # rms_norm rounds the normalised x to dtype, then its product with the weight
@@ -218,9 +235,8 @@ def _norm_rope_row(m, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, store_q
         y1, y2 = scaled(x1, 0), scaled(x2, half)
         store(y1 * cos_1F - y2 * sin_1F, y2 * cos_1F + y1 * sin_1F)
 
-    if with_q is None:
-        norm_rope(0, heads, q_norm_ref, store_q)
-    else:
-        pl.when(with_q)(lambda: norm_rope(0, heads, q_norm_ref, store_q))
-    norm_rope(heads, kv_heads, k_norm_ref, store_k)
-    store_v(*halves(heads + kv_heads, kv_heads))
+    is_q = j < group
+    pl.when(is_q if with_q is None else jnp.logical_and(is_q, with_q))(
+        lambda: norm_rope(j * kv_heads, q_norm_ref, store_q(j)))
+    pl.when(j == group)(lambda: norm_rope(heads, k_norm_ref, store_k))
+    pl.when(j == group + 1)(lambda: store_v(*halves(heads + kv_heads)))

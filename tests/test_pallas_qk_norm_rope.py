@@ -37,7 +37,7 @@ def assert_close(outs, refs, dtype):
 @given(batch=st.integers(1, 3), num=st.integers(1, 9), log_heads=st.integers(0, 3), log_kv=st.integers(0, 2),
        log_half=st.integers(0, 5), seed=st.integers(0, 2**16))
 def test_interpret_matches_reference(batch, num, log_heads, log_kv, log_half, seed):
-    heads, kv_heads, head_dim = 1 << log_heads, 1 << log_kv, 2 << log_half
+    heads, kv_heads, head_dim = 1 << (log_heads + log_kv), 1 << log_kv, 2 << log_half
     args = operands(seed, batch, num, heads, kv_heads, head_dim)
     kwargs = dict(heads=heads, kv_heads=kv_heads, eps=1e-6)
     assert_close(qk_norm_rope(*args, interpret=True, **kwargs), qk_norm_rope_reference(*args, **kwargs), jnp.float32)
@@ -78,7 +78,7 @@ def test_reference_is_norm_then_rotation_of_each_head():
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, ok", [(32, 8, 128, True), (40, 8, 128, False),
-                                                           (8, 2, 40, False), (4, 1, 2, True)])
+                                                           (8, 2, 40, False), (4, 1, 2, True), (2, 4, 16, False)])
 def test_kernel_supports_powers_of_two(heads, kv_heads, head_dim, ok):
     qkv = jax.ShapeDtypeStruct((1, 1, (heads + 2 * kv_heads) * head_dim), jnp.bfloat16)
     assert kernel_supports(qkv, heads, kv_heads) is ok
