@@ -18,11 +18,13 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
   q/k norm +    pallas, one kernel (`qk_norm_rope_write`) when head counts  xla
   RoPE + K/V    and ``head_dim / 2`` are powers of two, without a mesh:
   cache write   the AR round 5.36 -> 5.04 ms on an H200
-                (BENCHMARKS.md). Where the norms run alone (the packed
-                rows of ``budget_policy="batch"``), xla: the one-launch
-                `qk_norm_rope` measured no faster than XLA's fusions; the
-                write alone (that path, the drafter's prefill) is the
-                `kv_write` kernel where its heads are powers of two
+                (BENCHMARKS.md); on sm_90 it sums the q/k/v product's
+                split-K partials itself (`QKV_PARTIALS`). Where the norms
+                run alone (the packed rows of ``budget_policy="batch"``),
+                xla: the one-launch `qk_norm_rope` measured no faster than
+                XLA's fusions; the write alone (that path, the drafter's
+                prefill) is the `kv_write` kernel where its heads are
+                powers of two
   matmul        xla: XLA's GEMMs (library kernels at 16 rows on an         xla
                 H100) streamed the decode step's weights faster than
                 the skinny-matmul kernel at every
@@ -33,7 +35,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
                 more with a residual and the next RMSNorm are a split-K
                 finished by the `residual_norm` kernel
                 (`RESIDUAL_NORM_MIN_ROWS`: the DDTree rounds' device time
-                1.4-2.1% less on an H100)
+                1.4-2.1% less on an H100); the q/k/v product is a split-K
+                whose partials go to the norm + RoPE + write kernel
+                (`partials_product`, `QKV_PARTIALS`)
   sampler       pallas without a mesh; xla under a mesh (XLA partitions    xla
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========
@@ -225,11 +229,14 @@ XLA_MIN_ROWS = {(9, 0): 16}
 RESIDUAL_NORM_MIN_ROWS = {(9, 0): 17}
 # On these devices (``auto`` without a mesh) the q/k/v product hands its split-K partials to the q/k norm +
 # RoPE + K/V-write kernel, which sums them (`partials_product`), in place of XLA's sum, a launch a layer.
+# On an H100 the AR and DDTree B = 63 rounds took 0.6% and 1.0% less device time than with XLA's sum
+# (BENCHMARKS.md).
 QKV_PARTIALS = {(9, 0)}
 # The chunks of a split-K written out (`split_k_chunks`): the fewest, a power of two from
 # `SPLIT_K_MIN_CHUNKS`, of at most this many K columns. With chunks of 3,072 (the down product in 4) XLA
 # split each chunk again and summed the halves in a fusion of its own before the `residual_norm` kernel
-# (3.5 us a layer at 64 rows on an H100); XLA's own split of the q/k/v product is 4 chunks at 16 and 64 rows.
+# (3.6-5.9 us a layer at 64 / 65 rows on an H100); in 8 chunks the DDTree rounds at B = 63 / 64 took 1.7% /
+# 2.4% less device time (BENCHMARKS.md). XLA's own split of the q/k/v product is 4 chunks at 16 and 64 rows.
 SPLIT_K_MAX_CHUNK = 1536
 SPLIT_K_MIN_CHUNKS = 4
 
@@ -237,13 +244,16 @@ SPLIT_K_MIN_CHUNKS = 4
 def matmul_fn(impl: str, mesh: Mesh | None = None):
     """The projection of ``impl`` (see the module docstring), with the signature of ``matmul_reference``:
     ``fn(x_MK, w_KN, *, norm_K=None, eps=1e-6, gated=False, out_dtype=None, columns=None, residual_MN=None,
-    then_norm_N=None)``; with ``then_norm_N`` (the next product's RMSNorm weight) it returns ``(result,
-    normed)``, ``normed`` being ``rms_norm(result, then_norm_N, eps)`` where the implementation computes it
-    with the product and ``None`` where it leaves it to the next product's prologue.
+    then_norm_N=None, with_partials=False)``; with ``then_norm_N`` (the next product's RMSNorm weight) it
+    returns ``(result, normed)``, ``normed`` being ``rms_norm(result, then_norm_N, eps)`` where the
+    implementation computes it with the product and ``None`` where it leaves it to the next product's
+    prologue; with ``with_partials``, ``(result, partials)``, the float32 split-K partials where the
+    implementation hands them over and ``None`` elsewhere.
 
     ``auto`` is XLA everywhere (measured): its products of few rows padded (`XLA_MIN_ROWS`) on a GPU
-    listed there and without a mesh, and its products of many rows with a residual and ``then_norm_N``
-    finished by the `residual_norm` kernel (`residual_norm_product`, `RESIDUAL_NORM_MIN_ROWS`);
+    listed there and without a mesh, its products of many rows with a residual and ``then_norm_N``
+    finished by the `residual_norm` kernel (`residual_norm_product`, `RESIDUAL_NORM_MIN_ROWS`), and its
+    products asked ``with_partials`` written as a split-K (`partials_product`, `QKV_PARTIALS`);
     ``"pallas"`` is the skinny-matmul kernel, tiled by the device's `configs.matmul_policy`; it is not
     partitioned, so under a ``mesh`` only the XLA path runs."""
     impl = check_impl("matmul_impl", impl)
@@ -333,8 +343,11 @@ def partials_product(product, min_rows: int, splits):
         plain = all(v is None or v is False for v in kwargs.values())  # no SwiGLU, columns, residual, out dtype
         if not (with_partials and plain and k % chunks == 0):
             return product(x_MK, w_KN, with_partials=with_partials, norm_K=norm_K, eps=eps, **kwargs)
-        x_MK = x_MK if norm_K is None else rms_norm(x_MK, norm_K, eps)
-        partials_SRN = split_partials(jnp.pad(x_MK, ((0, max(min_rows - m, 0)), (0, 0))), w_KN, chunks)
+        # Padded, then normalised (zero rows stay zero), as `rows_padded` runs the prologue: normalised
+        # first, XLA ran the norm as two fusions, a reduction and the scaling with the pad.
+        x_RK = jnp.pad(x_MK, ((0, max(min_rows - m, 0)), (0, 0)))
+        x_RK = x_RK if norm_K is None else rms_norm(x_RK, norm_K, eps)
+        partials_SRN = split_partials(x_RK, w_KN, chunks)
         return summed_partials(partials_SRN, (1, m, w_KN.shape[1]), x_MK.dtype)[0], partials_SRN
 
     return split

@@ -25,3 +25,13 @@ def test_bench_models_tiny_variants(tmp_path):
 def test_bench_models_names_an_unknown_variant(tmp_path):
     with pytest.raises(SystemExit):
         bench_models.main(["--shapes", "tiny", "--variants", "default,fastest", "--out", str(tmp_path / "x.json")])
+
+
+def test_bench_models_hlo_of_each_forward(tmp_path):
+    """``--hlo`` writes the optimized HLO of the first forward of each kind: decode, each verify, drafter."""
+    out = tmp_path / "models.json"
+    bench_models.main(["--shapes", "tiny", "--matmul-impls", "xla", "--nodes", "4", "--variants", "default,cublaslt",
+                       "--repeats", "1", "--hlo", "--draft-vocab", "64", "--out", str(out)])
+    written = sorted(p.name for p in tmp_path.glob("*.hlo.txt"))
+    assert written == ["models_decode_xla.hlo.txt", "models_drafter_xla.hlo.txt", "models_verify4_xla.hlo.txt"]
+    assert all("ENTRY" in (tmp_path / name).read_text() for name in written)
