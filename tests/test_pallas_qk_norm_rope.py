@@ -291,8 +291,9 @@ def test_forward_with_partials_into_the_kernel_equals_the_xla_forward(monkeypatc
     """A small Qwen3 target's verify forward whose q/k/v products hand their split-K partials to the
     interpreted norm + RoPE + write kernel gives the XLA forward's logits and caches within bf16 rounding."""
     from ddtree_jax import kernels
-    from ddtree_jax.models import KVCache, Qwen3Config, init_target, target_forward
+    from ddtree_jax.models import Qwen3Config, init_target, target_forward
     from pallas_kernels.matmul_reference import matmul_reference
+    from test_pallas_residual_norm import verify_inputs
 
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
@@ -306,13 +307,7 @@ def test_forward_with_partials_into_the_kernel_equals_the_xla_forward(monkeypatc
 
     monkeypatch.setattr(kernels, "matmul_fn",
                         lambda impl, mesh=None: counted if impl == "interpret" else matmul_reference)
-    keys = jax.random.split(jax.random.key(1), 3)
-    num = 3
-    cache = KVCache(*(jax.random.normal(k, (2, 1, 2, 8 + num, 16), jnp.bfloat16) for k in keys[:2]),
-                    lengths=jnp.full((1,), 8, jnp.int32))
-    tokens = jax.random.randint(keys[2], (1, num), 0, 64)
-    positions = 8 + jnp.arange(num, dtype=jnp.int32)[None]
-    mask = jnp.tril(jnp.ones((num, num), bool))[None]
+    cache, tokens, positions, mask = verify_inputs(1, layers=2, num=3)
     jax.clear_caches()
     got = target_forward(target, tokens, positions, mask, cache, attention_impl="interpret", matmul_impl="interpret")
     want = target_forward(target, tokens, positions, mask, cache)

@@ -183,11 +183,25 @@ def test_split_k_chunks_cut_k_into_the_fewest_short_chunks(monkeypatch):
     assert [kernels.split_k_chunks(k) for k in (512, 1024, 1025, 4096)] == [2, 2, 4, 8]
 
 
+def verify_inputs(seed, layers, num, context=8, vocab=64):
+    """A verify forward's operands for the small test target (2 KV heads of 16): a random bf16 cache of
+    ``context`` tokens with room for ``num`` more, ``num`` random tokens after them and a causal mask:
+    ``(cache, tokens [1, num], positions [1, num], mask [1, num, num])``."""
+    from ddtree_jax.models import KVCache
+
+    keys = jax.random.split(jax.random.key(seed), 3)
+    cache = KVCache(*(jax.random.normal(k, (layers, 1, 2, context + num, 16), jnp.bfloat16) for k in keys[:2]),
+                    lengths=jnp.full((1,), context, jnp.int32))
+    tokens = jax.random.randint(keys[2], (1, num), 0, vocab)
+    positions = context + jnp.arange(num, dtype=jnp.int32)[None]
+    return cache, tokens, positions, jnp.tril(jnp.ones((num, num), bool))[None]
+
+
 def test_forward_with_the_kernel_equals_the_xla_forward(monkeypatch):
     """A small Qwen3 target's verify forward with every output and down product finished by the kernel (the
     next norm passed on to the next product) gives the XLA forward's logits, taps and cache within bf16
     rounding; a forward of fewer rows than ``min_rows`` is the XLA one exactly."""
-    from ddtree_jax.models import KVCache, Qwen3Config, init_target, target_forward
+    from ddtree_jax.models import Qwen3Config, init_target, target_forward
 
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
@@ -202,12 +216,7 @@ def test_forward_with_the_kernel_equals_the_xla_forward(monkeypatch):
     monkeypatch.setattr(kernels, "matmul_fn", lambda impl, mesh=None: counted if impl == "auto" else matmul_reference)
     jax.clear_caches()
     for num in (5, 2):
-        keys = jax.random.split(jax.random.key(num), 3)
-        cache = KVCache(*(jax.random.normal(k, (3, 1, 2, 8 + num, 16), jnp.bfloat16) for k in keys[:2]),
-                        lengths=jnp.full((1,), 8, jnp.int32))
-        tokens = jax.random.randint(keys[2], (1, num), 0, 64)
-        positions = 8 + jnp.arange(num, dtype=jnp.int32)[None]
-        mask = jnp.tril(jnp.ones((num, num), bool))[None]
+        cache, tokens, positions, mask = verify_inputs(num, layers=3, num=num)
         seen.clear()
         outs = {impl: target_forward(target, tokens, positions, mask, cache, tap_layers=(0, 2), matmul_impl=impl)
                 for impl in ("auto", "xla")}
