@@ -92,13 +92,13 @@ def _qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads, kv_he
 def qk_norm_rope_write(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_LBKSD, lengths_B, *, layer: int,
                        heads: int, kv_heads: int, eps: float, queries: int | None = None, partials_SRC=None,
                        interpret: bool = False):
-    """`qk_norm_rope_write_reference` by one kernel: `qk_norm_rope`'s program per token row also stores
+    """`qk_norm_rope_write_reference` by one kernel: `qk_norm_rope`'s programs of a token row also store
     the row's keys and values into slot ``lengths[b] + n`` of ``layer`` of the stacked caches (masked
     off past their end), which are aliased to the outputs (updated in place). Only the programs of the
     last ``queries`` rows of a request (all by default) normalise, rotate and store query heads.
-    With ``partials_SRC`` (float32 ``[S, R, C]``, ``R >= B * N``) the program of row m sums row m of the
-    partials and rounds it to ``qkv``'s dtype in place of reading ``qkv`` (``summed_partials`` of the reference),
-    whose values are then not read. Returns ``q [B, queries, H, D]`` and the caches."""
+    With ``partials_SRC`` (float32 ``[S, R, C]``, ``R >= B * N``) the programs of row m sum their heads of
+    row m of the partials and round them to ``qkv``'s dtype in place of reading ``qkv`` (``summed_partials``
+    of the reference), whose values are then not read. Returns ``q [B, queries, H, D]`` and the caches."""
     check_operands(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, heads, kv_heads)
     check_partials(partials_SRC, qkv_BNC)
     queries = check_queries(queries, qkv_BNC.shape[1])

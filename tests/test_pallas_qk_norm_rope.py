@@ -285,6 +285,9 @@ def test_partials_product_hands_over_padded_partials_of_plain_products():
     y, partials = kernels.partials_product(matmul_reference, 2, lambda k: 5)(x, w, with_partials=True)
     assert partials is None  # 5 chunks do not divide K = 32
     np.testing.assert_array_equal(np.asarray(split(x, w), np.float32), np.asarray(matmul_reference(x, w), np.float32))
+    assert matmul_reference(x, w, with_partials=True)[1] is None
+    with pytest.raises(ValueError, match="with_partials and then_norm_N"):
+        matmul_reference(x, w, with_partials=True, then_norm_N=jnp.ones(24, jnp.bfloat16))
 
 
 def test_forward_with_partials_into_the_kernel_equals_the_xla_forward(monkeypatch):
