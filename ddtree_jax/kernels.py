@@ -61,6 +61,7 @@ tables of ``pallas_kernels/configs.py``, keyed by the device's compute capabilit
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -309,7 +310,7 @@ def split_k_chunks(k: int) -> int:
     return splits
 
 
-def residual_norm_product(product, min_rows: int, splits, interpret: bool = False):
+def residual_norm_product(product, min_rows: int, splits: Callable[[int], int], interpret: bool = False):
     """``product`` (the signature of ``matmul_reference``), except that a plain product of at least
     ``min_rows`` rows with a residual and ``then_norm_N`` runs as `split_partials` of ``splits(K)`` K chunks
     finished by the `residual_norm` kernel (``interpret``: in the Pallas interpreter): ``(residual +
@@ -330,7 +331,7 @@ def residual_norm_product(product, min_rows: int, splits, interpret: bool = Fals
     return fused
 
 
-def partials_product(product, min_rows: int, splits):
+def partials_product(product, min_rows: int, splits: Callable[[int], int]):
     """``product`` (the signature of ``matmul_reference``), except that a product asked ``with_partials``,
     with no keyword but ``norm_K`` and ``eps``, runs as `split_partials` of ``splits(K)`` chunks on ``x``
     (normalised by ``norm_K``) zero-padded to ``min_rows`` rows when it has fewer (as `rows_padded` does, so
