@@ -292,12 +292,21 @@ def rows_padded(product, min_rows: int):
         m = x_MK.shape[0]
         if m >= min_rows:
             return product(x_MK, w_KN, residual_MN=residual_MN, **kwargs)
-        rows = ((0, min_rows - m), (0, 0))
-        residual = None if residual_MN is None else jnp.pad(residual_MN, rows)
-        out = product(jnp.pad(x_MK, rows), w_KN, residual_MN=residual, **kwargs)
+        residual = None if residual_MN is None else _pad_rows(residual_MN, min_rows)
+        out = product(_pad_rows(x_MK, min_rows), w_KN, residual_MN=residual, **kwargs)
         return tuple(None if y is None else y[:m] for y in out) if isinstance(out, tuple) else out[:m]
 
     return padded
+
+
+def _pad_rows(x_MK, min_rows: int):
+    """``x`` with zero rows appended up to ``min_rows`` rows (as it is when it has as many)."""
+    return jnp.pad(x_MK, ((0, max(min_rows - x_MK.shape[0], 0)), (0, 0)))
+
+
+def _no_options(kwargs) -> bool:
+    """Whether a product's remaining keywords ask for nothing (each ``None`` or ``False``)."""
+    return all(v is None or v is False for v in kwargs.values())
 
 
 def split_k_chunks(k: int) -> int:
@@ -319,7 +328,7 @@ def residual_norm_product(product, min_rows: int, splits: Callable[[int], int], 
     def fused(x_MK, w_KN, *, residual_MN=None, then_norm_N=None, eps=1e-6, **kwargs):
         m, k = x_MK.shape
         chunks = splits(k)
-        plain = all(v is None or v is False for v in kwargs.values())  # no prologue, SwiGLU, columns, out dtype
+        plain = _no_options(kwargs)  # no prologue, SwiGLU, columns, out dtype
         applies = (plain and residual_MN is not None and then_norm_N is not None and m >= min_rows
                    and k % chunks == 0 and x_MK.dtype == residual_MN.dtype == then_norm_N.dtype
                    and residual_norm_supports(jax.ShapeDtypeStruct((chunks, m, w_KN.shape[1]), jnp.float32)))
@@ -341,12 +350,12 @@ def partials_product(product, min_rows: int, splits: Callable[[int], int]):
     def split(x_MK, w_KN, *, with_partials=False, norm_K=None, eps=1e-6, **kwargs):
         m, k = x_MK.shape
         chunks = splits(k)
-        plain = all(v is None or v is False for v in kwargs.values())  # no SwiGLU, columns, residual, out dtype
+        plain = _no_options(kwargs)  # no SwiGLU, columns, residual, out dtype
         if not (with_partials and plain and k % chunks == 0):
             return product(x_MK, w_KN, with_partials=with_partials, norm_K=norm_K, eps=eps, **kwargs)
         # Padded, then normalised (zero rows stay zero), as `rows_padded` runs the prologue: normalised
         # first, XLA ran the norm as two fusions, a reduction and the scaling with the pad.
-        x_RK = jnp.pad(x_MK, ((0, max(min_rows - m, 0)), (0, 0)))
+        x_RK = _pad_rows(x_MK, min_rows)
         x_RK = x_RK if norm_K is None else rms_norm(x_RK, norm_K, eps)
         partials_SRN = split_partials(x_RK, w_KN, chunks)
         return summed_partials(partials_SRN, (1, m, w_KN.shape[1]), x_MK.dtype)[0], partials_SRN

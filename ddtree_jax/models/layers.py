@@ -113,16 +113,16 @@ def attention_inputs(layer: DecoderLayer, x_BND, rope_BNF, shape: LayerShape, ma
     normalised, come first in the same product (its ``[B, C + N, ...]`` rows; ``rope_BNF`` covers them
     first). The product is asked ``with_partials``: its split-K partials, where ``matmul`` hands them over,
     go with the inputs for a kernel that sums them itself."""
+    prologue = {}
     if context_BCD is None and normed_BND is None:
-        qkv_BNC, partials_SRC = project(matmul, x_BND, layer.wqkv, norm_K=layer.input_norm, eps=shape.rms_norm_eps,
-                                        with_partials=True)
+        rows_BXD, prologue = x_BND, dict(norm_K=layer.input_norm, eps=shape.rms_norm_eps)
     elif context_BCD is None:
-        qkv_BNC, partials_SRC = project(matmul, normed_BND, layer.wqkv, with_partials=True)
+        rows_BXD = normed_BND
     else:
         if normed_BND is None:
             normed_BND = rms_norm(x_BND, layer.input_norm, shape.rms_norm_eps)
-        qkv_BNC, partials_SRC = project(matmul, jnp.concatenate([context_BCD, normed_BND], axis=1), layer.wqkv,
-                                        with_partials=True)
+        rows_BXD = jnp.concatenate([context_BCD, normed_BND], axis=1)
+    qkv_BNC, partials_SRC = project(matmul, rows_BXD, layer.wqkv, with_partials=True, **prologue)
     return HeadInputs(qkv_BNC, layer.q_norm, layer.k_norm, *rope_BNF, heads=shape.num_attention_heads,
                       kv_heads=shape.num_key_value_heads, eps=shape.rms_norm_eps, partials_SRC=partials_SRC)
 
