@@ -20,6 +20,8 @@ back to back, the variants interleaved.
   programs_<P>   the split policy's minimum programs set to P (fewer splits to merge)
   splits_<S>     at most S splits (``max_splits``)
   whole_waves    the split count lowered to the fewest waves of programs per unit of prefix
+  tile_<T>       the tiling T, as ``bench_kernels.py --sweep-configs`` names one (``tile_m64k32w4s3``:
+                 64-row, 32-key blocks, 4 warps, 3 stages; fields left out stay the local entry's)
 
 Prints a table and writes JSON. Off a GPU the attention is XLA's and every variant is the same program.
 
@@ -44,7 +46,7 @@ import numpy as np  # noqa: E402
 
 from ddtree_jax import checks, engine  # noqa: E402
 from ddtree_jax.experiments import bench  # noqa: E402
-from ddtree_jax.experiments.flags import int_list  # noqa: E402
+from ddtree_jax.experiments.flags import attention_tiling, int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from pallas_kernels import configs, split_k, tree_attention  # noqa: E402
 
@@ -72,8 +74,13 @@ def parse_variant(name: str):
     prefix, _, number = name.rpartition("_")
     if prefix in NUMBERED_VARIANTS and number.isdigit() and int(number) >= 1:
         return None, {NUMBERED_VARIANTS[prefix]: int(number)}
-    raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED_VARIANTS)}, chunk_<C>, programs_<P> or "
-                     f"splits_<S> (C, P, S >= 1)")
+    if prefix == "tile":
+        try:
+            return None, attention_tiling(number)
+        except ValueError as err:
+            raise ValueError(f"--variants: {err}") from None
+    raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED_VARIANTS)}, chunk_<C>, programs_<P>, "
+                     f"splits_<S> (C, P, S >= 1) or tile_<tiling>")
 
 
 def parse_variants(text: str, parse) -> list[tuple]:

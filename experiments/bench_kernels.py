@@ -7,7 +7,9 @@
   prompt and every new token). Achieved HBM bandwidth counts the bytes the call must move: K/V of
   the prefix and the tree for every KV head, queries and outputs.
 - ``sweep``: candidate tilings (``--sweep-configs``, by default ``SWEEP_CONFIGS``) on a few
-  shapes (how the measured config table entry is chosen).
+  shapes (how the measured config table entry is chosen). With ``--baseline-module PATH``, both
+  attention parts also time that file's ``tree_attention`` (a previous version of the kernel
+  module) as ``baseline``, interleaved on the same inputs.
 - ``sampling``: fused tree sampling vs the jnp path (``verify_from_coins``) for V = 151,936,
   tree budgets and batches, plain temperature and temperature + top-k + top-p; also checks
   that both give the same results, and relates the time to a Qwen3-8B verify forward's
@@ -33,7 +35,7 @@ import importlib.util
 import inspect
 import json
 import platform
-import re
+import sys
 import time
 from pathlib import Path
 
@@ -44,7 +46,7 @@ import numpy as np
 from ddtree_jax import kernels
 from ddtree_jax.experiments import profiling
 from ddtree_jax.experiments.bench import interleaved_ms
-from ddtree_jax.experiments.flags import int_list, name_list
+from ddtree_jax.experiments.flags import attention_tiling, int_list, name_list
 from ddtree_jax.tree import build_tree, tree_positions
 from ddtree_jax.verify import verify_from_coins
 from pallas_kernels import configs
@@ -62,9 +64,6 @@ QWEN3_8B_WEIGHT_BYTES = 16.4e9
 # from the local GPU's table entry (sm_90: p512 c128 j8 l1 v0).
 SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128k128w8s2",
                  "m64k64w4s3p528")
-_SWEEP_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages",
-                 "p": "min_programs", "c": "min_chunk", "j": "max_splits", "l": "split_by_length",
-                 "v": "whole_waves"}
 # (temperature, top_k, top_p). T2.5_p0.9: flat rows whose sub-block maxima confine no candidates (the
 # whole-GPU floor passes); T1_k1000: 256 < candidates <= capacity (the register search of a larger
 # tile); T2_p0.99: kept sets beyond the capacity (streamed in the walk).
@@ -252,11 +251,12 @@ def fused_sampler(config: SamplerConfig, interpret: bool = False):
     return kernels.sampler_fn("interpret" if interpret else "pallas", config=config)
 
 
-def load_baseline(path):
-    """A previous version of the kernel module, loaded from the file ``path`` under the module name
-    ``tree_sampling_baseline`` (the library it imports is this checkout's)."""
-    spec = importlib.util.spec_from_file_location("tree_sampling_baseline", path)
+def load_baseline(path, name="tree_sampling_baseline"):
+    """A previous version of a kernel module, loaded from the file ``path`` under the module name
+    ``name`` (the library it imports is this checkout's)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -354,15 +354,36 @@ def format_sampling_row(row, names):
     return " | ".join(cells)
 
 
+def attention_impls(part: str, args, scale: float) -> dict:
+    """``{name: attention function}`` of the ``attention`` part (``--impls``) or the ``sweep`` part (one
+    per ``--sweep-configs`` tiling, ``xla`` for the reference); with ``--baseline-module``, also
+    ``baseline``: that file's ``tree_attention`` with the local GPU's table entry."""
+    if part == "attention":
+        available = {
+            "pallas": functools.partial(tree_attention, scale=scale, config=configs.tree_attention_config()),
+            "mosaic": functools.partial(tree_attention_mgpu, scale=scale),
+            "xla": functools.partial(tree_attention_reference, scale=scale),
+            "dpa": functools.partial(dot_product_attention, scale=scale)}
+        impls = {name: available[name] for name in args.impls}
+    else:
+        xla = functools.partial(tree_attention_reference, scale=scale)
+        impls = {name: xla if name == "xla" else functools.partial(
+            tree_attention, scale=scale, config=sweep_config(name))
+            for name in args.sweep_configs.split(",")}
+    if args.baseline_module:
+        module = load_baseline(args.baseline_module, "tree_attention_baseline")
+        impls["baseline"] = functools.partial(module.tree_attention, scale=scale,
+                                              config=configs.tree_attention_config())
+    return impls
+
+
 def sweep_config(text: str) -> TreeAttentionConfig:
     """``"m64k128w4s2c1024"`` -> that tiling; fields left out keep the local table entry's values."""
-    if re.fullmatch(r"(?:[mkwspcj]\d+|[lv][01])+", text) is None:
-        raise SystemExit(f"--sweep-configs: {text!r} is not like m64k64w4s3[p528][c1024][j8][l1][v1]")
-    values = {_SWEEP_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspcjlv])(\d+)", text)}
-    for flag in ("split_by_length", "whole_waves"):
-        if flag in values:
-            values[flag] = bool(values[flag])
-    return dataclasses.replace(configs.tree_attention_config(), **values)
+    try:
+        fields = attention_tiling(text)
+    except ValueError as err:
+        raise SystemExit(f"--sweep-configs: {err}") from None
+    return dataclasses.replace(configs.tree_attention_config(), **fields)
 
 
 def fused_config(text: str) -> SamplerConfig:
@@ -422,9 +443,11 @@ def main(argv=None):
                              "candidates are found over the whole GPU, default "
                              f"{SamplerConfig().parallel_rows})")
     parser.add_argument("--baseline-module", default=None,
-                        help="sampling: a previous version of the kernel module (a .py file with the old API "
-                             "tree_sample(tree, ..., backend=...) -> VerifyResult), timed interleaved with each "
-                             "fused config on the same inputs")
+                        help="a previous version of the part's kernel module, a .py file timed interleaved on "
+                             "the same inputs: sampling, one with the old API tree_sample(tree, ..., backend=...) "
+                             "-> VerifyResult, beside each fused config; attention and sweep, one with "
+                             "tree_attention(q, k, v, lengths, mask, scale=..., config=...), as 'baseline' with the "
+                             "local GPU's table entry")
     parser.add_argument("--profile", action="store_true",
                         help="sampling: record where each fused call's device time goes (per kernel and op)")
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
@@ -458,18 +481,7 @@ def main(argv=None):
         contexts = args.contexts if part == "attention" else args.sweep_contexts
         shapes = [(b, n, c, max(args.capacity, c + n)) for b in args.batches for n in args.nodes
                   for c in contexts]
-        if part == "attention":
-            available = {
-                "pallas": functools.partial(tree_attention, scale=scale, config=configs.tree_attention_config()),
-                "mosaic": functools.partial(tree_attention_mgpu, scale=scale),
-                "xla": functools.partial(tree_attention_reference, scale=scale),
-                "dpa": functools.partial(dot_product_attention, scale=scale)}
-            impls = {name: available[name] for name in args.impls}
-        else:
-            xla = functools.partial(tree_attention_reference, scale=scale)
-            impls = {name: xla if name == "xla" else functools.partial(
-                tree_attention, scale=scale, config=sweep_config(name))
-                for name in args.sweep_configs.split(",")}
+        impls = attention_impls(part, args, scale)
         bench_attention(shapes, impls, peak_gbs=args.peak_gbs, budget_s=args.budget_s, report=report,
                         chain=args.chain, repeats=args.repeats)
 

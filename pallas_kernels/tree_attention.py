@@ -14,8 +14,11 @@ The Pallas kernel (Triton lowering) works per (request, KV head):
   equal chunks of whole key blocks;
   the partial results are merged afterwards with their softmax residuals (running max and
   sum, flash-decoding style);
-- **tree part**: the program whose chunk holds the end of the prefix also visits the new
-  keys at ``[lengths[b], lengths[b] + M)``, masked by the ancestor mask.
+- **tree part**: the new keys at ``[lengths[b], lengths[b] + M)``, masked by the ancestor mask,
+  come after the prefix as key blocks of their own. Cut by length, a split takes an equal share of
+  the prefix's and the tree's blocks together, so the tree's blocks go to the splits the prefix
+  leaves short or empty rather than lengthening the last one; cut by capacity, the split that holds
+  the end of the prefix also takes every tree block.
 """
 
 from __future__ import annotations
@@ -116,16 +119,26 @@ def _attend(q_MD, k_ref, v_ref, start, key_ok_T, visible_MT, carry, *, scale, pr
     return o_MD, m_new_M, alpha_M * l_M + p_MT.sum(axis=1)
 
 
-def _chunk(length, plan: _Plan, block_k):
-    """Slots per split when ``[0, length)`` is cut into ``plan.num_splits`` chunks of whole key blocks
-    (at least one block, at most ``plan.chunk``)."""
-    blocks = lax.div(length + block_k - 1, jnp.int32(block_k))
-    return blocks_per_split(blocks, plan.num_splits) * block_k
+def _split_blocks(split, length, plan: _Plan, block_k, split_by_length):
+    """Key blocks ``[lo, hi)`` of one split, counted over the prefix's ``ceil(length / block_k)`` blocks
+    followed by the tree's ``new_pad / block_t``: by length, ``ceil(all / num_splits)`` blocks a split
+    (at least one); by capacity, ``plan.chunk`` slots of the prefix a split, the tree's blocks with the
+    split that holds the prefix's last block (the first split for an empty prefix)."""
+    prefix = lax.div(length + block_k - 1, jnp.int32(block_k))
+    total = prefix + plan.new_pad // plan.block_t
+    if split_by_length:
+        per = blocks_per_split(total, plan.num_splits)
+        lo = split * per
+        return lo, jnp.minimum(lo + per, total)
+    per = plan.chunk // block_k
+    lo = jnp.minimum(split * per, prefix)
+    owner = jnp.minimum(lax.div(jnp.maximum(prefix - 1, 0), jnp.int32(per)), plan.num_splits - 1)
+    return lo, lax.select(split == owner, total, jnp.minimum(lo + per, prefix))
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: _Plan,
             group, num_new, block_k, split_by_length, precision):
-    """Program (row block, split, b, kv head): its prefix chunk, and the tree if it owns it.
+    """Program (row block, split, b, kv head): its split's key blocks (`_split_blocks`).
 
     ``q_ref``/``out_refs``: the request's ``[N * H, D]`` rows (row ``i * H + h``); packed row
     ``i * G + g`` is row ``i * H + kv * G + g``. Rows past ``N * G`` repeat the last node's
@@ -146,17 +159,15 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
     carry = (jnp.zeros((plan.block_m, head_dim), jnp.float32),
              jnp.full((plan.block_m,), _NEG, jnp.float32), jnp.zeros((plan.block_m,), jnp.float32))
 
-    chunk = _chunk(length, plan, block_k) if split_by_length else jnp.int32(plan.chunk)
-    lo = split * chunk
-    hi = jnp.minimum(lo + chunk, length)
+    lo, hi = _split_blocks(split, length, plan, block_k, split_by_length)
+    prefix = lax.div(length + block_k - 1, jnp.int32(block_k))
 
     def prefix_step(t, carry):
-        start = lo + t * block_k
-        key_ok = start + jnp.arange(block_k) < hi
+        start = t * block_k
+        key_ok = start + jnp.arange(block_k) < length
         return attend(start, key_ok, key_ok[None, :], carry)
 
-    carry = lax.fori_loop(0, lax.div(jnp.maximum(hi - lo, 0) + block_k - 1, block_k),
-                          prefix_step, carry)
+    carry = lax.fori_loop(lo, jnp.minimum(hi, prefix), prefix_step, carry)
 
     def tree_step(t, carry):
         cols = t * plan.block_t + jnp.arange(plan.block_t)
@@ -164,11 +175,7 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
         visible = plt.load(mask_ref.at[node_M[:, None], jnp.minimum(cols, num_new - 1)[None, :]])
         return attend(length + t * plan.block_t, key_ok, key_ok[None, :] & visible, carry)
 
-    owner = jnp.minimum(lax.div(jnp.maximum(length - 1, 0), chunk), plan.num_splits - 1)
-    # select, not jnp.where: a where between two Python ints lowers to an i1 loop bound.
-    num_tree_blocks = lax.select(split == owner, jnp.int32(plan.new_pad // plan.block_t),
-                                 jnp.int32(0))
-    o_MD, m_M, l_M = lax.fori_loop(0, num_tree_blocks, tree_step, carry)
+    o_MD, m_M, l_M = lax.fori_loop(jnp.maximum(lo, prefix) - prefix, hi - prefix, tree_step, carry)
 
     if plan.num_splits == 1:
         [o_ref] = out_refs

@@ -50,10 +50,12 @@ def test_variant_names_parse_to_their_fields():
     assert parse("weights_first")[0] is bench_attention_merge.merge_weights_first
     assert parse("chunk_1024") == (None, {"min_chunk": 1024}) and parse("programs_128") == (None, {"min_programs": 128})
     assert parse("splits_8") == (None, {"max_splits": 8}) and parse("whole_waves") == (None, {"whole_waves": True})
+    assert parse("tile_m64k32w4s3") == (None, dict(block_m=64, block_k=32, num_warps=4, num_stages=3))
+    assert parse("tile_j16v0") == (None, dict(max_splits=16, whole_waves=False))
 
 
 @pytest.mark.parametrize("flag,value",
-                         [("--variants", v) for v in ("chunk_0", "programs_x", "nope", "shipped,shipped", "")]
+                         [("--variants", v) for v in ("chunk_0", "programs_x", "nope", "shipped,shipped", "", "tile_m64x", "tile_")]
                          + [("--context", "0"), ("--batch", "0"), ("--topk-cap", "-1")])
 def test_bad_flags_raise(tmp_path, flag, value):
     with pytest.raises(ValueError, match=flag):

@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels import configs
 from pallas_kernels.configs import TreeAttentionConfig
 from pallas_kernels.lowering import verified_triton_modules
 from pallas_kernels.tree_attention_reference import tree_attention_reference
-from pallas_kernels.tree_attention import _chunk, _plan, _tree_attention_pallas, tree_attention
+from pallas_kernels.tree_attention import _plan, _split_blocks, _tree_attention_pallas, tree_attention
 from pallas_kernels.split_k import split_count
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 
@@ -220,29 +222,62 @@ def test_plan_covers_the_cache(batch, rows, slots):
     assert plan.rows_pad % plan.block_m == 0 and plan.rows_pad >= rows
 
 
-@pytest.mark.parametrize("length, chunk, filled", [(0, 64, 1), (1, 64, 1), (64, 64, 1), (65, 64, 2),
-                                                   (1000, 64, 16), (1024, 64, 16), (4000, 192, 21),
-                                                   (5122, 192, 27)])
-def test_chunks_by_length(length, chunk, filled):
-    """Without a bound on the splits, a 5,122-slot cache at batch 1 is cut into 27 splits of 192 slots;
-    cut by length, a 1k prefix fills 16 splits of one 64-slot key block (rather than 6 of 192), and a
-    full cache all 27."""
+def split_ranges(plan, length, split_by_length, block_k=64):
+    """Each split's key blocks ``[lo, hi)`` (`_split_blocks`) as Python ints."""
+    return [tuple(int(x) for x in _split_blocks(jnp.int32(j), jnp.int32(length), plan, block_k, split_by_length))
+            for j in range(plan.num_splits)]
+
+
+def busy(ranges):
+    """(most blocks a split, splits with a block)."""
+    sizes = [max(hi - lo, 0) for lo, hi in ranges]
+    return max(sizes), sum(size > 0 for size in sizes)
+
+
+@pytest.mark.parametrize("length, most, filled", [(0, 1, 1), (1, 1, 2), (64, 1, 2), (65, 1, 3), (1000, 1, 17),
+                                                  (1024, 1, 17), (4000, 3, 22), (5122, 4, 21)])
+def test_splits_by_length(length, most, filled):
+    """Without a bound on the splits, a 5,122-slot cache at batch 1 is cut into 27 splits; cut by length, a 1k
+    prefix's 16 key blocks and the tree's one fill 17 splits of one block, and a full cache's 81 + 1 blocks
+    21 splits of at most four."""
     unbounded = dataclasses.replace(configs.TREE_ATTENTION_CONFIGS[(9, 0)], max_splits=None)
     plan = _plan(1, 8, 4, 16, 5122, unbounded)
     assert (plan.num_splits, plan.chunk) == (27, 192)
-    got = int(_chunk(jnp.int32(length), plan, 64))
-    assert (got, -(-max(length, 1) // got)) == (chunk, filled)
+    assert busy(split_ranges(plan, length, True)) == (most, filled)
 
 
-@pytest.mark.parametrize("batch, rows, length, splits, chunk",
-                         [(1, 4, 1000, 8, 128), (1, 4, 5122, 8, 704), (1, 4, 64, 8, 64), (8, 4, 1000, 8, 128),
-                          (1, 260, 1000, 8, 128), (32, 260, 1000, 1, 1024)])
-def test_sm90_splits_are_bounded(batch, rows, length, splits, chunk):
-    """The sm_90 entry: at most 8 splits of a 5,122-slot cache, so a 1k prefix fills 8 splits of two key
-    blocks at batch 1 as at batch 8, and a batch with enough programs is not split."""
+@given(length=st.integers(0, 700), num_new=st.integers(1, 80), slots_over=st.integers(0, 300),
+       splits=st.integers(1, 12), by_length=st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_split_blocks_cover_the_prefix_then_the_tree(length, num_new, slots_over, splits, by_length):
+    """The splits' ranges tile the prefix's blocks then the tree's, in order; by length none holds more
+    than its share, by capacity each holds its chunk of the prefix and one of them the whole tree."""
+    config = TreeAttentionConfig(block_m=16, block_k=64, min_programs=8 * splits, min_chunk=64)
+    plan = _plan(1, 1, 4, num_new, length + num_new + slots_over, config)
+    ranges = split_ranges(plan, min(length, length + num_new + slots_over), by_length)
+    prefix, tree = -(-length // 64), plan.new_pad // plan.block_t
+    total = prefix + tree
+    tiles = [(lo, hi) for lo, hi in ranges if hi > lo]
+    assert tiles[0][0] == 0 and tiles[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:]))
+    if by_length:
+        assert busy(ranges)[0] == -(-total // plan.num_splits)
+    else:
+        per = plan.chunk // 64
+        assert [(lo, min(hi, prefix)) for lo, hi in tiles] == [
+            (j * per, min(j * per + per, prefix)) for j in range(len(tiles))] or prefix == 0
+        assert sum(hi > prefix for _, hi in tiles) == 1
+
+
+@pytest.mark.parametrize("batch, rows, length, splits, most",
+                         [(1, 4, 1000, 8, 3), (1, 4, 5122, 8, 11), (1, 4, 64, 8, 1), (8, 4, 1000, 8, 3),
+                          (1, 260, 1000, 8, 3), (32, 260, 1000, 1, 17)])
+def test_sm90_splits_are_bounded(batch, rows, length, splits, most):
+    """The sm_90 entry: at most 8 splits of a 5,122-slot cache, so a 1k prefix and the tree fill 8 splits of
+    at most three key blocks at batch 1 as at batch 8, and a batch with enough programs is not split."""
     plan = _plan(batch, 8, rows, 16, 5122, configs.TREE_ATTENTION_CONFIGS[(9, 0)])
     assert plan.num_splits == splits
-    assert int(_chunk(jnp.int32(length), plan, 64)) == chunk
+    assert busy(split_ranges(plan, length, True))[0] == most
 
 
 def test_split_count_bounds():
@@ -348,3 +383,25 @@ def test_benchmark_times_every_implementation_in_each_round():
     ratios = np.divide(row["xla"]["rounds_ms"], row["pallas"]["rounds_ms"])
     assert row["pallas_speedup"] == pytest.approx(float(np.median(ratios)))
     assert "xla_speedup" not in row
+
+
+def test_benchmark_times_a_baseline_attention_module(tmp_path):
+    """`bench_kernels.py attention --baseline-module`: that file's ``tree_attention`` joins the implementations
+    as ``baseline`` with the local table entry, and is timed in the same rounds (interpreted, tiny)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.bench_kernels import attention_impls, bench_attention
+
+    path = tmp_path / "old_tree_attention.py"
+    path.write_text(Path(tree_attention.__code__.co_filename).read_text())
+    args = types.SimpleNamespace(impls=["xla"], sweep_configs="m64k64w4s3", baseline_module=str(path))
+    for part, names in (("attention", {"xla", "baseline"}), ("sweep", {"m64k64w4s3", "baseline"})):
+        impls = attention_impls(part, args, 0.1)
+        assert set(impls) == names
+        assert impls["baseline"].func.__module__ == "tree_attention_baseline"
+        assert impls["baseline"].keywords == dict(scale=0.1, config=configs.tree_attention_config())
+    baseline = impls["baseline"].func
+    impls = {"baseline": lambda *a: baseline(*a, scale=0.1, interpret=True, config=SMALL),
+             "xla": lambda *a: tree_attention_reference(*a, scale=0.1)}
+    [row] = bench_attention([(1, 4, 16, 48)], impls, peak_gbs=1.0, budget_s=60.0, report=lambda r: None,
+                            chain=2, repeats=2)
+    assert all(len(row[name]["rounds_ms"]) == 2 for name in impls)

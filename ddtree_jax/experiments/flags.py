@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable, Iterable
 
 
@@ -65,3 +66,21 @@ def name_list(choices: Iterable[str], *, empty: bool = False) -> Callable[[str],
         return values
 
     return names
+
+
+# The tree-attention tiling fields by their letter in `attention_tiling`'s names.
+TILING_FIELDS = {"m": "block_m", "k": "block_k", "w": "num_warps", "s": "num_stages", "p": "min_programs",
+                 "c": "min_chunk", "j": "max_splits", "l": "split_by_length", "v": "whole_waves"}
+
+
+def attention_tiling(text: str) -> dict:
+    """``"m64k32w4s3"`` -> ``{"block_m": 64, "block_k": 32, "num_warps": 4, "num_stages": 3}``: letters of
+    `TILING_FIELDS` each followed by a number (``l`` and ``v``, flags: 0 or 1), at least one; anything
+    else is a ``ValueError`` quoting the text."""
+    if re.fullmatch(r"(?:[mkwspcj]\d+|[lv][01])+", text) is None:
+        raise ValueError(f"{text!r} is not a tiling like m64k64w4s3[p528][c1024][j8][l1][v1]")
+    values = {TILING_FIELDS[key]: int(num) for key, num in re.findall(r"([mkwspcjlv])(\d+)", text)}
+    for flag in ("split_by_length", "whole_waves"):
+        if flag in values:
+            values[flag] = bool(values[flag])
+    return values
