@@ -1,21 +1,20 @@
-"""A/B of the attention's split-K merge and split policy inside the engine's rounds, in one process.
+"""A/B of the attention's split policy and tiling inside the engine's rounds, in one process.
 
 At batch 1 the tree-attention kernel cuts a request's KV prefix into splits so that one request fills
 the GPU (27 at a 5k-slot cache on an H200 without a bound on their number), and XLA merges their
 partial outputs in two fusions per layer (the running maxima and sums, then the weighted sum of the
-outputs fused with the pad of the output projection's rows); the partial outputs are float32
-``[splits, rows, head_dim]``, 7.5 MB a layer for a 16-node tree and 27 splits.
+outputs fused with the pad of the output projection's rows); the partial outputs are
+``[splits, rows, head_dim]`` in the activations' dtype, 3.7 MB a layer in bfloat16 for a 16-node tree and
+27 splits.
 This script compiles the AR round (the decode step) and a DDTree round per ``--budgets`` at Qwen3-8B
 shapes, random weights, ``--batch`` requests of ``--context`` tokens, once per variant, and times them
 back to back, the variants interleaved.
 ``--variants`` names them:
 
-  shipped        the merge and the local GPU's split policy as they are
+  shipped        the local GPU's split policy and tiling as they are
   by_capacity    the cache's capacity cut into fixed chunks, of which a short prefix fills few
   by_length      each request's prefix cut into the splits by its length (equal chunks of whole key
                  blocks)
-  weights_first  the merge normalising the per-split weights on the small ``[J, M]`` statistics
-                 first, so that the output's fusion only multiplies and adds
   chunk_<C>      the split policy's minimum chunk set to C slots (fewer splits to merge)
   programs_<P>   the split policy's minimum programs set to P (fewer splits to merge)
   splits_<S>     at most S splits (``max_splits``)
@@ -48,35 +47,24 @@ from ddtree_jax import checks, engine  # noqa: E402
 from ddtree_jax.experiments import bench  # noqa: E402
 from ddtree_jax.experiments.flags import attention_tiling, int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
-from pallas_kernels import configs, split_k, tree_attention  # noqa: E402
+from pallas_kernels import configs  # noqa: E402
 
 
-def merge_weights_first(o_XJMD, m_XJM, l_XJM):
-    """`split_k.merge_splits` with the weights divided by the total sum before they scale the outputs."""
-    axis = m_XJM.ndim - 2
-    w_XJM = jnp.exp(m_XJM - jnp.expand_dims(m_XJM.max(axis=axis), axis))
-    l_XM = (w_XJM * l_XJM).sum(axis=axis)
-    w_XJM = w_XJM / jnp.expand_dims(jnp.where(l_XM > 0, l_XM, 1.0), axis)
-    return (w_XJM[..., None] * o_XJMD).sum(axis=axis)
-
-
-FIXED_VARIANTS = {"shipped": (None, {}), "by_capacity": (None, dict(split_by_length=False)),
-                  "by_length": (None, dict(split_by_length=True)), "weights_first": ("weights_first", {}),
-                  "whole_waves": (None, dict(whole_waves=True))}
+FIXED_VARIANTS = {"shipped": {}, "by_capacity": dict(split_by_length=False), "by_length": dict(split_by_length=True),
+                  "whole_waves": dict(whole_waves=True)}
 NUMBERED_VARIANTS = {"chunk": "min_chunk", "programs": "min_programs", "splits": "max_splits"}
 
 
 def parse_variant(name: str):
-    """``(merge or None, TreeAttentionConfig fields)`` of a ``--variants`` name (see the module docstring)."""
+    """The ``TreeAttentionConfig`` fields of a ``--variants`` name (see the module docstring)."""
     if name in FIXED_VARIANTS:
-        merge, fields = FIXED_VARIANTS[name]
-        return (merge_weights_first if merge else None), fields
+        return FIXED_VARIANTS[name]
     prefix, _, number = name.rpartition("_")
     if prefix in NUMBERED_VARIANTS and number.isdigit() and int(number) >= 1:
-        return None, {NUMBERED_VARIANTS[prefix]: int(number)}
+        return {NUMBERED_VARIANTS[prefix]: int(number)}
     if prefix == "tile":
         try:
-            return None, attention_tiling(number)
+            return attention_tiling(number)
         except ValueError as err:
             raise ValueError(f"--variants: {err}") from None
     raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED_VARIANTS)}, chunk_<C>, programs_<P>, "
@@ -84,12 +72,12 @@ def parse_variant(name: str):
 
 
 def parse_variants(text: str, parse) -> list[tuple]:
-    """``(name, *parse(name))`` for each comma-separated name in ``text`` (a ``--variants`` flag); a
+    """``(name, parse(name))`` for each comma-separated name in ``text`` (a ``--variants`` flag); a
     ``ValueError`` naming the flag unless the names are distinct and there is at least one."""
     names = [v for v in text.split(",") if v]
     if not names or len(set(names)) != len(names):
         raise ValueError(f"--variants must name distinct variants, got {text!r}")
-    return [(name, *parse(name)) for name in names]
+    return [(name, parse(name)) for name in names]
 
 
 def compiled_round(target, drafter, spec, box, sampling):
@@ -137,8 +125,8 @@ def main(argv=None) -> int:
                     help="comma-separated DDTree budgets, each a round beside AR's")
     ap.add_argument("--topk-cap", type=int, default=4)
     ap.add_argument("--variants", default="shipped,splits_4,splits_16",
-                    help="comma-separated, of shipped, by_capacity, by_length, weights_first, whole_waves, chunk_<C>, "
-                         "programs_<P>, splits_<S>")
+                    help="comma-separated, of shipped, by_capacity, by_length, whole_waves, chunk_<C>, "
+                         "programs_<P>, splits_<S>, tile_<tiling>")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
     args = ap.parse_args(argv)
@@ -151,8 +139,7 @@ def main(argv=None) -> int:
     shipped_config = configs.tree_attention_config()
     capability = configs.device_capability()
     runners, boxes = {}, {}
-    for name, merge, fields in parsed:
-        tree_attention.merge_splits = merge or split_k.merge_splits
+    for name, fields in parsed:
         if capability in configs.TREE_ATTENTION_CONFIGS:
             configs.TREE_ATTENTION_CONFIGS[capability] = dataclasses.replace(shipped_config, **fields)
         for label, method, budget in (("ar", "ar", 1), *((f"ddtree{b}", "ddtree", b) for b in budgets)):
@@ -162,7 +149,6 @@ def main(argv=None) -> int:
                 boxes[label] = [bench.make_state(target, drafter, spec, args.batch, args.context)]
             runners[name, label] = compiled_round(target, drafter, spec, boxes[label], sampling)
             print(f"compiled {name} {label}", flush=True)
-        tree_attention.merge_splits = split_k.merge_splits
         if capability in configs.TREE_ATTENTION_CONFIGS:
             configs.TREE_ATTENTION_CONFIGS[capability] = shipped_config
     rows = [dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)

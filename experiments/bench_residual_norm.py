@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_residual_norm.json"))
     args = ap.parse_args(argv)
-    parsed = parse_variants(args.variants, lambda name: (parse_variant(name),))
+    parsed = parse_variants(args.variants, parse_variant)
     checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
                  + [("topk_cap", lambda v: v >= 0, ">= 0"), ("draft_vocab", lambda v: v >= 0, ">= 0")])
     target, drafter = bench.make_models(args.shapes, args.draft_vocab)

@@ -2,8 +2,9 @@
 
 The prefix is cut into chunks, one program each, so that a small batch still fills the GPU: static
 chunks of the capacity (`split_count`), or equal chunks of a request's length (`blocks_per_split`,
-``split_by_length``); each program returns its unnormalised output with its running softmax max and sum, and
-`merge_splits` combines them (flash-decoding style).
+``split_by_length``); each program returns its output with its running softmax max and sum, and
+`merge_splits` (unnormalised outputs) or `merge_normalized_splits` (each output divided by its own sum)
+combines them (flash-decoding style).
 """
 
 from __future__ import annotations
@@ -52,4 +53,15 @@ def merge_splits(o_XJMD, m_XJM, l_XJM):
     w_XJM = jnp.exp(m_XJM - jnp.expand_dims(m_max_XM, axis))
     l_XM = (w_XJM * l_XJM).sum(axis=axis)
     o_XMD = (w_XJM[..., None] * o_XJMD).sum(axis=axis)
+    return o_XMD / jnp.where(l_XM > 0, l_XM, 1.0)[..., None]
+
+
+def merge_normalized_splits(o_XJMD, m_XJM, l_XJM):
+    """`merge_splits` of outputs each already divided by its split's sum (``0`` where the split saw no key),
+    in any float dtype: ``[*X, J, M, D] -> [*X, M, D]`` float32, the splits weighted by
+    ``exp(m - max m) * l``."""
+    axis = m_XJM.ndim - 2
+    w_XJM = jnp.exp(m_XJM - jnp.expand_dims(m_XJM.max(axis=axis), axis)) * l_XJM
+    l_XM = w_XJM.sum(axis=axis)
+    o_XMD = (w_XJM[..., None] * o_XJMD.astype(jnp.float32)).sum(axis=axis)
     return o_XMD / jnp.where(l_XM > 0, l_XM, 1.0)[..., None]

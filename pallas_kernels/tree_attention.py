@@ -12,8 +12,9 @@ The Pallas kernel (Triton lowering) works per (request, KV head):
   small batches still fill the GPU: the cache's capacity in static chunks (those past the
   request's length do no work) or, with ``config.split_by_length``, the request's length in
   equal chunks of whole key blocks;
-  the partial results are merged afterwards with their softmax residuals (running max and
-  sum, flash-decoding style);
+  each split's output, divided by its own softmax sum and stored in the activations' dtype
+  (half the bytes of float32 unnormalised partials in bfloat16), is merged afterwards with its
+  running max and sum (flash-decoding style);
 - **tree part**: the new keys at ``[lengths[b], lengths[b] + M)``, masked by the ancestor mask,
   come after the prefix as key blocks of their own. Cut by length, a split takes an equal share of
   the prefix's and the tree's blocks together, so the tree's blocks go to the splits the prefix
@@ -33,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.configs import TreeAttentionConfig, device_multiprocessors
-from pallas_kernels.split_k import blocks_per_split, merge_splits, round_up, split_count
+from pallas_kernels.split_k import blocks_per_split, merge_normalized_splits, round_up, split_count
 from pallas_kernels.tree_attention_reference import check_shapes, stacked
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -177,12 +178,10 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
 
     o_MD, m_M, l_M = lax.fori_loop(jnp.maximum(lo, prefix) - prefix, hi - prefix, tree_step, carry)
 
-    if plan.num_splits == 1:
-        [o_ref] = out_refs
-        plt.store(o_ref.at[rows_MD], (o_MD / jnp.where(l_M > 0, l_M, 1.0)[:, None]).astype(o_ref.dtype))
-    else:
-        o_ref, m_ref, l_ref = out_refs
-        plt.store(o_ref.at[rows_MD], o_MD)
+    o_ref, *stats_refs = out_refs
+    plt.store(o_ref.at[rows_MD], (o_MD / jnp.where(l_M > 0, l_M, 1.0)[:, None]).astype(o_ref.dtype))
+    if stats_refs:
+        m_ref, l_ref = stats_refs
         plt.store(m_ref.at[row_M], m_M)
         plt.store(l_ref.at[row_M], l_M)
 
@@ -216,7 +215,7 @@ def _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, lengths_B, mask_BNM, *, sca
         out_specs = [pl.BlockSpec((None, rows, head_dim), lambda r, j, b, h: (b, 0, 0))]
     else:
         split_shape = (batch, plan.num_splits, rows)
-        out_shape = [jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
+        out_shape = [jax.ShapeDtypeStruct((*split_shape, head_dim), q_BNHD.dtype),
                      jax.ShapeDtypeStruct(split_shape, jnp.float32),
                      jax.ShapeDtypeStruct(split_shape, jnp.float32)]
         out_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda r, j, b, h: (b, j, 0, 0)),
@@ -229,5 +228,5 @@ def _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, lengths_B, mask_BNM, *, sca
             num_stages=config.launch_stages(plan.block_m, head_dim, q_BNHD.dtype.itemsize)),
         interpret=interpret, name="tree_attention",
     )(lengths_B, q_BRD, k_LBKSD, v_LBKSD, mask_BNM)
-    o_BRD = outs[0] if plan.num_splits == 1 else merge_splits(*outs)
+    o_BRD = outs[0] if plan.num_splits == 1 else merge_normalized_splits(*outs)
     return o_BRD.reshape(q_BNHD.shape).astype(q_BNHD.dtype)

@@ -1,38 +1,27 @@
-"""`experiments/bench_attention_merge.py` on tiny shapes on the CPU: its rows, its merge variant's
-equality with the shipped merge, and that every patch is undone."""
+"""`experiments/bench_attention_merge.py` on tiny shapes on the CPU: its rows, its variants' fields, and
+that every patch is undone."""
 
 import json
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import bench_attention_merge  # noqa: E402
-from pallas_kernels import configs, split_k, tree_attention  # noqa: E402
-
-
-def test_merge_weights_first_equals_the_shipped_merge():
-    keys = jax.random.split(jax.random.key(0), 3)
-    o = jax.random.normal(keys[0], (2, 5, 3, 8))
-    m = jax.random.normal(keys[1], (2, 5, 3)).at[:, 2].set(-np.inf)  # an empty split
-    l_ = jax.random.uniform(keys[2], (2, 5, 3)).at[:, 2].set(0.0)
-    np.testing.assert_allclose(np.asarray(bench_attention_merge.merge_weights_first(o, m, l_)),
-                               np.asarray(split_k.merge_splits(o, m, l_)), rtol=1e-5, atol=1e-6)
+from pallas_kernels import configs  # noqa: E402
 
 
 def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path, monkeypatch):
     """Every (variant, round) row is written; the variants of a round share one state (one KV cache a
-    round, not one a variant); the patched merge and configs are restored."""
+    round, not one a variant); the patched configs are restored."""
     out = tmp_path / "merge.json"
     before = dict(configs.TREE_ATTENTION_CONFIGS)
     made, make_state = [], bench_attention_merge.bench.make_state
     monkeypatch.setattr(bench_attention_merge.bench, "make_state",
                         lambda *a: made.append(a[2].method) or make_state(*a))
-    variants = ("shipped", "by_capacity", "weights_first", "whole_waves", "programs_64")
+    variants = ("shipped", "by_capacity", "whole_waves", "programs_64", "tile_m32k16")
     argv = ["--shapes", "tiny", "--context", "16", "--batch", "2", "--budgets", "4,8", "--variants", ",".join(variants),
             "--repeats", "1", "--out", str(out)]
     assert bench_attention_merge.main(argv) == 0
@@ -41,17 +30,18 @@ def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path, monkey
         (v, m) for v in variants for m in ("ar", "ddtree4", "ddtree8")]
     assert all(r["back_to_back_ms"] > 0 for r in rows)
     assert made == ["ar", "ddtree", "ddtree"]
-    assert tree_attention.merge_splits is split_k.merge_splits and configs.TREE_ATTENTION_CONFIGS == before
+    assert configs.TREE_ATTENTION_CONFIGS == before
 
 
 def test_variant_names_parse_to_their_fields():
     parse = bench_attention_merge.parse_variant
-    assert parse("shipped") == (None, {}) and parse("by_capacity") == (None, {"split_by_length": False})
-    assert parse("weights_first")[0] is bench_attention_merge.merge_weights_first
-    assert parse("chunk_1024") == (None, {"min_chunk": 1024}) and parse("programs_128") == (None, {"min_programs": 128})
-    assert parse("splits_8") == (None, {"max_splits": 8}) and parse("whole_waves") == (None, {"whole_waves": True})
-    assert parse("tile_m64k32w4s3") == (None, dict(block_m=64, block_k=32, num_warps=4, num_stages=3))
-    assert parse("tile_j16v0") == (None, dict(max_splits=16, whole_waves=False))
+    assert parse("shipped") == {} and parse("by_capacity") == {"split_by_length": False}
+    assert parse("chunk_1024") == {"min_chunk": 1024} and parse("programs_128") == {"min_programs": 128}
+    assert parse("splits_8") == {"max_splits": 8} and parse("whole_waves") == {"whole_waves": True}
+    assert parse("tile_m64k32w4s3") == dict(block_m=64, block_k=32, num_warps=4, num_stages=3)
+    assert parse("tile_j16v0") == dict(max_splits=16, whole_waves=False)
+    assert bench_attention_merge.parse_variants("shipped,splits_9", parse) == [("shipped", {}),
+                                                                                ("splits_9", {"max_splits": 9})]
 
 
 @pytest.mark.parametrize("flag,value",

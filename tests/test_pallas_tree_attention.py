@@ -18,7 +18,7 @@ from pallas_kernels.configs import TreeAttentionConfig
 from pallas_kernels.lowering import verified_triton_modules
 from pallas_kernels.tree_attention_reference import tree_attention_reference
 from pallas_kernels.tree_attention import _plan, _split_blocks, _tree_attention_pallas, tree_attention
-from pallas_kernels.split_k import split_count
+from pallas_kernels.split_k import merge_normalized_splits, merge_splits, split_count
 from pallas_kernels.tree_attention_mgpu import tree_attention_mgpu
 
 # Small tiles so that CPU-sized problems exercise several splits, row blocks and tree blocks.
@@ -405,3 +405,21 @@ def test_benchmark_times_a_baseline_attention_module(tmp_path):
     [row] = bench_attention([(1, 4, 16, 48)], impls, peak_gbs=1.0, budget_s=60.0, report=lambda r: None,
                             chain=2, repeats=2)
     assert all(len(row[name]["rounds_ms"]) == 2 for name in impls)
+
+
+def test_merge_of_normalized_splits_equals_the_merge_of_raw_ones():
+    """Outputs divided by their own sums (0 for a split that saw no key), merged with their maxima and sums,
+    equal `merge_splits` of the raw outputs; in bfloat16 within its rounding."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    o = jax.random.normal(keys[0], (2, 5, 3, 8))
+    m = (jax.random.normal(keys[1], (2, 5, 3)) * 4).at[:, 2].set(-1e30)  # an empty split
+    l_ = (jax.random.uniform(keys[2], (2, 5, 3)) * 9 + 0.5).at[:, 2].set(0.0)
+    o = o.at[:, 2].set(0.0)
+    normalized = o / jnp.where(l_ > 0, l_, 1.0)[..., None]
+    want = np.asarray(merge_splits(o, m, l_))
+    np.testing.assert_allclose(np.asarray(merge_normalized_splits(normalized, m, l_)), want, rtol=1e-5, atol=1e-6)
+    half = merge_normalized_splits(normalized.astype(jnp.bfloat16), m, l_)
+    assert half.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(half), want, rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(merge_normalized_splits(normalized, m.at[:].set(-1e30),
+                                                                     jnp.zeros_like(l_))), 0.0)
