@@ -22,6 +22,10 @@ back to back, the variants interleaved.
   tile_<T>       the tiling T, as ``bench_kernels.py --sweep-configs`` names one (``tile_m64k32w4s3``:
                  64-row, 32-key blocks, 4 warps, 3 stages; fields left out stay the local entry's)
 
+With ``--baseline-module PATH`` a variant ``baseline`` joins them: the rounds compiled with that file's
+``tree_attention`` (a previous version of the kernel module) and the local GPU's entry, so that a change to
+the kernel is timed inside the rounds against the version before it.
+
 Prints a table and writes JSON. Off a GPU the attention is XLA's and every variant is the same program.
 
     PYTHONPATH=. python3 experiments/bench_attention_merge.py --variants shipped,by_capacity,programs_128 \
@@ -31,6 +35,7 @@ Prints a table and writes JSON. Off a GPU the attention is XLA's and every varia
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -40,13 +45,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax import checks, engine  # noqa: E402
+from ddtree_jax import checks, engine, kernels  # noqa: E402
 from ddtree_jax.experiments import bench  # noqa: E402
 from ddtree_jax.experiments.flags import attention_tiling, int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
+from experiments.bench_kernels import load_baseline  # noqa: E402
 from pallas_kernels import configs  # noqa: E402
 
 
@@ -69,6 +74,22 @@ def parse_variant(name: str):
             raise ValueError(f"--variants: {err}") from None
     raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED_VARIANTS)}, chunk_<C>, programs_<P>, "
                      f"splits_<S> (C, P, S >= 1) or tile_<tiling>")
+
+
+@contextlib.contextmanager
+def patched(capability, config, attend):
+    """The local GPU's table entry set to ``config`` (where the table has one) and the library's attention
+    kernel to ``attend`` while the rounds are compiled; both restored after."""
+    table, kernel = dict(configs.TREE_ATTENTION_CONFIGS), kernels.tree_attention
+    if capability in configs.TREE_ATTENTION_CONFIGS:
+        configs.TREE_ATTENTION_CONFIGS[capability] = config
+    kernels.tree_attention = attend
+    try:
+        yield
+    finally:
+        configs.TREE_ATTENTION_CONFIGS.clear()
+        configs.TREE_ATTENTION_CONFIGS.update(table)
+        kernels.tree_attention = kernel
 
 
 def parse_variants(text: str, parse) -> list[tuple]:
@@ -128,6 +149,8 @@ def main(argv=None) -> int:
                     help="comma-separated, of shipped, by_capacity, by_length, whole_waves, chunk_<C>, "
                          "programs_<P>, splits_<S>, tile_<tiling>")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
+    ap.add_argument("--baseline-module", default=None,
+                    help="a previous version of pallas_kernels/tree_attention.py, timed as the variant 'baseline'")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
     args = ap.parse_args(argv)
     parsed = parse_variants(args.variants, parse_variant)
@@ -138,19 +161,18 @@ def main(argv=None) -> int:
     sampling = bench.constant_sampling(args.batch, 1.0, 0, 1.0)
     shipped_config = configs.tree_attention_config()
     capability = configs.device_capability()
+    baseline = load_baseline(args.baseline_module, "tree_attention_baseline") if args.baseline_module else None
     runners, boxes = {}, {}
-    for name, fields in parsed:
-        if capability in configs.TREE_ATTENTION_CONFIGS:
-            configs.TREE_ATTENTION_CONFIGS[capability] = dataclasses.replace(shipped_config, **fields)
-        for label, method, budget in (("ar", "ar", 1), *((f"ddtree{b}", "ddtree", b) for b in budgets)):
-            spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto", "auto",
-                                    build_impl="auto")
-            if label not in boxes:
-                boxes[label] = [bench.make_state(target, drafter, spec, args.batch, args.context)]
-            runners[name, label] = compiled_round(target, drafter, spec, boxes[label], sampling)
-            print(f"compiled {name} {label}", flush=True)
-        if capability in configs.TREE_ATTENTION_CONFIGS:
-            configs.TREE_ATTENTION_CONFIGS[capability] = shipped_config
+    for name, fields in parsed + ([("baseline", {})] if baseline else []):
+        attend = baseline.tree_attention if name == "baseline" else kernels.tree_attention
+        with patched(capability, dataclasses.replace(shipped_config, **fields), attend):
+            for label, method, budget in (("ar", "ar", 1), *((f"ddtree{b}", "ddtree", b) for b in budgets)):
+                spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto",
+                                        "auto", build_impl="auto")
+                if label not in boxes:
+                    boxes[label] = [bench.make_state(target, drafter, spec, args.batch, args.context)]
+                runners[name, label] = compiled_round(target, drafter, spec, boxes[label], sampling)
+                print(f"compiled {name} {label}", flush=True)
     rows = [dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
             for (name, label), ms in time_interleaved(runners, args.repeats).items()]
     for row in rows:
