@@ -227,18 +227,19 @@ def within_scale(got: dict, want: dict, tolerance: float = 0.05) -> dict:
     return dict(result, ok=all(result[f"ok_{name}"] for name in want))
 
 
-# (batch, rows per request)
-FORWARD_CASES = [(1, 1), (3, 1), (1, 16), (1, 64)]
+# (batch, rows per request, committed context); at 1k the attention splits its prefix (5 splits at 65 rows, the
+# tree's two key blocks a split of their own)
+FORWARD_CASES = [(1, 1, 40), (3, 1, 40), (1, 16, 40), (1, 64, 40), (1, 65, 1000)]
 
 
-def check_forward(shapes=None, cases=FORWARD_CASES, layers=4, context=40):
+def check_forward(shapes=None, cases=FORWARD_CASES, layers=4):
     """Target forwards with ``"auto"`` matmuls and attention against ``"xla"`` (see the module docstring);
     ``shapes``: the target's config fields (default Qwen3-8B's, ``layers`` of them)."""
     fields = dict(SHAPES["qwen3-8b"]["target"] if shapes is None else shapes, num_hidden_layers=layers)
     target = init_target(Qwen3Config(**fields), jax.random.key(0), jnp.bfloat16)
     cfg = target.config
     records = []
-    for seed, (batch, num) in enumerate(cases):
+    for seed, (batch, num, context) in enumerate(cases):
         keys = jax.random.split(jax.random.key(seed), 3)
         slots = (layers, batch, cfg.num_key_value_heads, context + num, cfg.head_dim)
         k, v = (jax.random.normal(key, slots, jnp.bfloat16) for key in keys[:2])
@@ -246,9 +247,9 @@ def check_forward(shapes=None, cases=FORWARD_CASES, layers=4, context=40):
         tokens = jax.random.randint(keys[2], (batch, num), 0, cfg.vocab_size)
         positions = context + jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((num, num), bool)), (batch, num, num))
-        record = dict(part="forward", impl="auto", batch=batch, rows=num, layers=layers)
+        record = dict(part="forward", impl="auto", batch=batch, rows=num, context=context, layers=layers)
 
-        def check(args=(tokens, positions, mask, cache)):
+        def check(args=(tokens, positions, mask, cache), context=context):
             def outputs(impl):
                 logits, taps, new = target_forward(target, *args, tap_layers=(0, layers - 1), matmul_impl=impl,
                                                    attention_impl=impl)

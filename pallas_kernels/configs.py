@@ -10,7 +10,7 @@ least 512 programs (about 4 per SM) rather than 264 reached 80-84% of the HBM ba
 at least 128 prefix slots rather than 512 (more splits at short contexts) made batch 1 with a 1k
 context 1.1-1.6x faster than the XLA path instead of 0.9-1.7x. Each request's prefix is cut by its
 length (``split_by_length``), into at most 8 splits (``max_splits``): the merge reads every split's
-float32 partial output, and at batch 1 with a 1k context the AR round took 4.82 ms with 8 splits
+partial output (then float32), and at batch 1 with a 1k context the AR round took 4.82 ms with 8 splits
 against 4.99 with 27, the DDTree round of 64 nodes 7.71 against 8.25 (interleaved in one
 process); a lower ``min_programs`` (64) gave those 8 splits at batch 1 too, but a single one at batch
 8, where the kernel alone was up to 1.65x slower at an 8k context. ``whole_waves`` keeps 65 tree
@@ -68,7 +68,7 @@ class TreeAttentionConfig:
     into fixed chunks (of which a short prefix fills only the first few); the number of splits, and so
     the merge, is the same either way.
     ``max_splits``: no more splits than this (``None``: no bound). The merge reads every split's
-    float32 partial output, empty or not, so at a short context many splits cost more in the merge
+    partial output, empty or not, so at a short context many splits cost more in the merge
     than they save in the kernel.
     ``whole_waves``: where the GPU's multiprocessor count is known, lower the split count to the one
     that needs the fewest waves of programs per unit of prefix (see `split_k.split_count`): the tiles

@@ -322,7 +322,7 @@ def test_check_kernels_forward_part_on_a_pretended_hopper(hopper_rows, monkeypat
 
     fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
-    records = check_forward(fields, cases=[(1, 1), (2, 3)], layers=2, context=6)
+    records = check_forward(fields, cases=[(1, 1, 6), (2, 3, 6)], layers=2)
     assert [r["ok"] for r in records] == [True, True], records
     product = kernels.matmul_fn("auto")
 
@@ -332,5 +332,5 @@ def test_check_kernels_forward_part_on_a_pretended_hopper(hopper_rows, monkeypat
 
     monkeypatch.setattr(kernels, "matmul_fn", lambda impl, mesh=None: scaled if impl == "auto" else product)
     jax.clear_caches()
-    wrong = check_forward(fields, cases=[(1, 1)], layers=2, context=6)
+    wrong = check_forward(fields, cases=[(1, 1, 6)], layers=2)
     assert not any(r["ok"] or "error" in r for r in wrong), wrong  # failed by its numbers, not by a crash
