@@ -120,12 +120,11 @@ def _attend(q_MD, k_ref, v_ref, start, key_ok_T, visible_MT, carry, *, scale, pr
     return o_MD, m_new_M, alpha_M * l_M + p_MT.sum(axis=1)
 
 
-def _split_blocks(split, length, plan: _Plan, block_k, split_by_length):
-    """Key blocks ``[lo, hi)`` of one split, counted over the prefix's ``ceil(length / block_k)`` blocks
-    followed by the tree's ``new_pad / block_t``: by length, ``ceil(all / num_splits)`` blocks a split
-    (at least one); by capacity, ``plan.chunk`` slots of the prefix a split, the tree's blocks with the
-    split that holds the prefix's last block (the first split for an empty prefix)."""
-    prefix = lax.div(length + block_k - 1, jnp.int32(block_k))
+def _split_blocks(split, prefix, plan: _Plan, block_k, split_by_length):
+    """Key blocks ``[lo, hi)`` of one split, counted over the prefix's ``prefix`` blocks (``ceil(length /
+    block_k)``) followed by the tree's ``new_pad / block_t``: by length, ``ceil(all / num_splits)`` blocks a
+    split (at least one); by capacity, ``plan.chunk`` slots of the prefix a split, the tree's blocks with
+    the split that holds the prefix's last block (the first split for an empty prefix)."""
     total = prefix + plan.new_pad // plan.block_t
     if split_by_length:
         per = blocks_per_split(total, plan.num_splits)
@@ -160,8 +159,8 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, mask_ref, *out_refs, scale, plan: 
     carry = (jnp.zeros((plan.block_m, head_dim), jnp.float32),
              jnp.full((plan.block_m,), _NEG, jnp.float32), jnp.zeros((plan.block_m,), jnp.float32))
 
-    lo, hi = _split_blocks(split, length, plan, block_k, split_by_length)
     prefix = lax.div(length + block_k - 1, jnp.int32(block_k))
+    lo, hi = _split_blocks(split, prefix, plan, block_k, split_by_length)
 
     def prefix_step(t, carry):
         start = t * block_k

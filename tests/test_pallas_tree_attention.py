@@ -224,7 +224,8 @@ def test_plan_covers_the_cache(batch, rows, slots):
 
 def split_ranges(plan, length, split_by_length, block_k=64):
     """Each split's key blocks ``[lo, hi)`` (`_split_blocks`) as Python ints."""
-    return [tuple(int(x) for x in _split_blocks(jnp.int32(j), jnp.int32(length), plan, block_k, split_by_length))
+    prefix = jnp.int32(-(-length // block_k))
+    return [tuple(int(x) for x in _split_blocks(jnp.int32(j), prefix, plan, block_k, split_by_length))
             for j in range(plan.num_splits)]
 
 
