@@ -61,7 +61,7 @@ VOCAB, DRAFT_DEPTH = 151_936, 15
 QWEN3_8B_WEIGHT_BYTES = 16.4e9
 # Tilings of the sweep part: m<block_m>k<block_k>w<warps>s<stages>, optionally p<min_programs>,
 # c<min_chunk>, j<max_splits>, l<0|1> (split_by_length) and v<0|1> (whole_waves); fields left out come
-# from the local GPU's table entry (sm_90: p512 c128 j8 l1 v0).
+# from the local GPU's table entry (sm_90: p512 c128 j8 l1 v1); `flags.attention_tiling` parses them.
 SWEEP_CONFIGS = ("m64k64w4s3", "m64k128w4s3", "m128k64w8s3", "m64k64w4s4", "m128k128w8s2",
                  "m64k64w4s3p528")
 # (temperature, top_k, top_p). T2.5_p0.9: flat rows whose sub-block maxima confine no candidates (the
