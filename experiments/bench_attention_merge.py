@@ -118,6 +118,21 @@ def compiled_round(target, drafter, spec, box, sampling):
     return run
 
 
+def compile_rounds(target, drafter, rounds, args, boxes: dict, sampling, name: str) -> dict:
+    """``{(name, label): runner}`` of `compiled_round` for each ``(label, method, budget)`` of ``rounds``
+    (``args``: the script's ``topk_cap``, ``batch`` and ``context``); ``boxes`` holds one state a label,
+    made at its first round and shared by every variant after."""
+    runners = {}
+    for label, method, budget in rounds:
+        spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto", "auto",
+                                build_impl="auto")
+        if label not in boxes:
+            boxes[label] = [bench.make_state(target, drafter, spec, args.batch, args.context)]
+        runners[name, label] = compiled_round(target, drafter, spec, boxes[label], sampling)
+        print(f"compiled {name} {label}", flush=True)
+    return runners
+
+
 def time_interleaved(runners: dict, repeats: int) -> dict:
     """``{key: [ms a round back to back, one a pass]}`` of ``runners`` (`compiled_round`s), ``repeats`` passes
     that time every runner once in turn, so that a drift of the machine falls on all of them alike."""
@@ -154,7 +169,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
     args = ap.parse_args(argv)
     parsed = parse_variants(args.variants, parse_variant)
-    budgets = args.budgets
     checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
                  + [("topk_cap", lambda v: v >= 0, ">= 0")])
     target, drafter = bench.make_models(args.shapes)
@@ -162,17 +176,12 @@ def main(argv=None) -> int:
     shipped_config = configs.tree_attention_config()
     capability = configs.device_capability()
     baseline = load_baseline(args.baseline_module, "tree_attention_baseline") if args.baseline_module else None
+    rounds = [("ar", "ar", 1), *((f"ddtree{b}", "ddtree", b) for b in args.budgets)]
     runners, boxes = {}, {}
     for name, fields in parsed + ([("baseline", {})] if baseline else []):
         attend = baseline.tree_attention if name == "baseline" else kernels.tree_attention
         with patched(capability, dataclasses.replace(shipped_config, **fields), attend):
-            for label, method, budget in (("ar", "ar", 1), *((f"ddtree{b}", "ddtree", b) for b in budgets)):
-                spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto",
-                                        "auto", build_impl="auto")
-                if label not in boxes:
-                    boxes[label] = [bench.make_state(target, drafter, spec, args.batch, args.context)]
-                runners[name, label] = compiled_round(target, drafter, spec, boxes[label], sampling)
-                print(f"compiled {name} {label}", flush=True)
+            runners.update(compile_rounds(target, drafter, rounds, args, boxes, sampling, name))
     rows = [dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
             for (name, label), ms in time_interleaved(runners, args.repeats).items()]
     for row in rows:

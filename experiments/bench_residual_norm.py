@@ -35,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from ddtree_jax import checks, engine, kernels  # noqa: E402
+from ddtree_jax import checks, kernels  # noqa: E402
 from ddtree_jax.experiments import bench, profiling  # noqa: E402
 from ddtree_jax.experiments.flags import int_list  # noqa: E402
 from ddtree_jax.models import layers  # noqa: E402
 from experiments.bench_attention_merge import (  # noqa: E402
-    compiled_round,
+    compile_rounds,
     parse_variants,
     time_interleaved,
     write_rows,
@@ -120,13 +120,7 @@ def main(argv=None) -> int:
     runners, boxes = {}, {}
     for name, patches in parsed:
         with variant(**patches):
-            for label, method, budget in rounds:
-                spec = engine.make_spec(target, drafter, method, budget, args.topk_cap or None, "auto", "auto",
-                                        "auto", build_impl="auto")
-                if label not in boxes:
-                    boxes[label] = [bench.make_state(target, drafter, spec, args.batch, args.context)]
-                runners[name, label] = compiled_round(target, drafter, spec, boxes[label], sampling)
-                print(f"compiled {name} {label}", flush=True)
+            runners.update(compile_rounds(target, drafter, rounds, args, boxes, sampling, name))
     rows = []
     for (name, label), ms in time_interleaved(runners, args.repeats).items():
         row = dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
