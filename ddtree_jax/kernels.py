@@ -263,10 +263,11 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
         local = impl == "auto" and mesh is None
         min_rows = XLA_MIN_ROWS.get(capability) if local else None
         product = matmul_reference if min_rows is None else rows_padded(matmul_reference, min_rows)
-        norm_rows = RESIDUAL_NORM_MIN_ROWS.get(capability) if local and pallas_gpu() else None
-        if norm_rows is not None:
-            product = residual_norm_product(product, norm_rows, split_k_chunks)
-        if local and pallas_gpu() and capability in QKV_PARTIALS:
+        if not (local and pallas_gpu()):
+            return product
+        if capability in RESIDUAL_NORM_MIN_ROWS:
+            product = residual_norm_product(product, RESIDUAL_NORM_MIN_ROWS[capability], split_k_chunks)
+        if capability in QKV_PARTIALS:
             product = partials_product(product, min_rows or 1, split_k_chunks)
         return product
     if mesh is not None:

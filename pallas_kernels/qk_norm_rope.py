@@ -85,7 +85,7 @@ def _qk_norm_rope(qkv_BNC, q_norm_D, k_norm_D, cos_BNF, sin_BNF, *, heads, kv_he
         kernel, grid=(rows, parts_per_row(heads, kv_heads)), out_shape=out_shape, interpret=interpret,
         name="qk_norm_rope",
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-    )(qkv_BNC.reshape(-1, head_dim), *_row_operands(q_norm_D, k_norm_D, cos_BNF, sin_BNF))
+    )(qkv_BNC.reshape(-1, head_dim), q_norm_D, k_norm_D, *_rotation_rows(cos_BNF, sin_BNF))
     return tuple(x.reshape(batch, num, -1, head_dim) for x in (q, k, v))
 
 
@@ -141,14 +141,14 @@ def _qk_norm_rope_write(rows, q_norm_D, k_norm_D, cos_BNF, sin_BNF, k_LBKSD, v_L
                    *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_LBKSD, v_LBKSD))],
         input_output_aliases={6: 1, 7: 2}, interpret=interpret, name="qk_norm_rope_write",
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-    )(rows, *_row_operands(q_norm_D, k_norm_D, cos_BNF, sin_BNF), lengths_B, k_LBKSD, v_LBKSD)
+    )(rows, q_norm_D, k_norm_D, *_rotation_rows(cos_BNF, sin_BNF), lengths_B, k_LBKSD, v_LBKSD)
     return q.reshape(batch, queries, heads, head_dim), k_LBKSD, v_LBKSD
 
 
-def _row_operands(q_norm_D, k_norm_D, cos_BNF, sin_BNF):
-    """The norms, and the rotation tables as ``[M, D / 2]``."""
+def _rotation_rows(cos_BNF, sin_BNF):
+    """The rotation tables as ``[M, D / 2]``, a token row each."""
     rows = cos_BNF.shape[0] * cos_BNF.shape[1]
-    return q_norm_D, k_norm_D, cos_BNF.reshape(rows, -1), sin_BNF.reshape(rows, -1)
+    return cos_BNF.reshape(rows, -1), sin_BNF.reshape(rows, -1)
 
 
 def _kernel(qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, heads, kv_heads, half, eps):
