@@ -19,6 +19,8 @@ back to back, the variants interleaved.
   programs_<P>   the split policy's minimum programs set to P (fewer splits to merge)
   splits_<S>     at most S splits (``max_splits``)
   whole_waves    the split count lowered to the fewest waves of programs per unit of prefix
+  merge_<R>      the splits merged by the split-merge kernel, R packed rows a program (``merge_rows``)
+  merge_xla      the splits merged by XLA's fusions of ``split_k.merge_normalized_splits``
   tile_<T>       the tiling T, as ``bench_kernels.py --sweep-configs`` names one (``tile_m64k32w4s3``:
                  64-row, 32-key blocks, 4 warps, 3 stages; fields left out stay the local entry's)
 
@@ -48,7 +50,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ddtree_jax import checks, engine, kernels  # noqa: E402
-from ddtree_jax.experiments import bench  # noqa: E402
+from ddtree_jax.experiments import bench, profiling  # noqa: E402
 from ddtree_jax.experiments.flags import attention_tiling, int_list  # noqa: E402
 from ddtree_jax.experiments.provenance import command_line  # noqa: E402
 from experiments.bench_kernels import load_baseline  # noqa: E402
@@ -56,8 +58,8 @@ from pallas_kernels import configs  # noqa: E402
 
 
 FIXED_VARIANTS = {"shipped": {}, "by_capacity": dict(split_by_length=False), "by_length": dict(split_by_length=True),
-                  "whole_waves": dict(whole_waves=True)}
-NUMBERED_VARIANTS = {"chunk": "min_chunk", "programs": "min_programs", "splits": "max_splits"}
+                  "whole_waves": dict(whole_waves=True), "merge_xla": dict(merge_rows=0)}
+NUMBERED_VARIANTS = {"chunk": "min_chunk", "programs": "min_programs", "splits": "max_splits", "merge": "merge_rows"}
 
 
 def parse_variant(name: str):
@@ -73,7 +75,7 @@ def parse_variant(name: str):
         except ValueError as err:
             raise ValueError(f"--variants: {err}") from None
     raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED_VARIANTS)}, chunk_<C>, programs_<P>, "
-                     f"splits_<S> (C, P, S >= 1) or tile_<tiling>")
+                     f"splits_<S>, merge_<R> (C, P, S, R >= 1) or tile_<tiling>")
 
 
 @contextlib.contextmanager
@@ -152,6 +154,31 @@ def write_rows(out: Path, args, rows: list) -> None:
     print(f"wrote {out}")
 
 
+def timed_rows(runners: dict, repeats: int, profile: bool) -> list[dict]:
+    """A row a ``(variant, round)`` of ``runners``: the median of `time_interleaved`'s passes and, with
+    ``profile``, the round's device time a call summed over its traced ops (``device_ms``) with the ops."""
+    rows = []
+    for (name, label), ms in time_interleaved(runners, repeats).items():
+        row = dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
+        if profile:
+            ops = profiling.device_op_times(runners[name, label], calls=3, top=20)
+            row.update(device_ms=sum(line["ms_per_call"] for line in ops.values()), profile=ops)
+        rows.append(row)
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    """A table of `timed_rows`, each round's time also as a ratio to the first variant's."""
+    first = {row["round"]: row for row in reversed(rows)}
+    print(f"{'variant':>14} {'round':>10} {'back to back':>13} {'vs ' + rows[0]['variant']:>14} {'device':>9}",
+          flush=True)
+    for row in rows:
+        ratio = row["back_to_back_ms"] / first[row["round"]]["back_to_back_ms"]
+        device = f"{row['device_ms']:.3f}" if "device_ms" in row else "-"
+        print(f"{row['variant']:>14} {row['round']:>10} {row['back_to_back_ms']:10.3f} ms {ratio:13.3f}x "
+              f"{device:>9}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
@@ -160,18 +187,21 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=int_list, default=[16],
                     help="comma-separated DDTree budgets, each a round beside AR's")
     ap.add_argument("--topk-cap", type=int, default=4)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="the drafter's head over this many tokens (0: the whole vocabulary)")
     ap.add_argument("--variants", default="shipped,splits_4,splits_16",
-                    help="comma-separated, of shipped, by_capacity, by_length, whole_waves, chunk_<C>, "
-                         "programs_<P>, splits_<S>, tile_<tiling>")
+                    help="comma-separated, of shipped, by_capacity, by_length, whole_waves, merge_xla, chunk_<C>, "
+                         "programs_<P>, splits_<S>, merge_<R>, tile_<tiling>")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
+    ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
     ap.add_argument("--baseline-module", default=None,
                     help="a previous version of pallas_kernels/tree_attention.py, timed as the variant 'baseline'")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
     args = ap.parse_args(argv)
     parsed = parse_variants(args.variants, parse_variant)
     checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
-                 + [("topk_cap", lambda v: v >= 0, ">= 0")])
-    target, drafter = bench.make_models(args.shapes)
+                 + [("topk_cap", lambda v: v >= 0, ">= 0"), ("draft_vocab", lambda v: v >= 0, ">= 0")])
+    target, drafter = bench.make_models(args.shapes, args.draft_vocab)
     sampling = bench.constant_sampling(args.batch, 1.0, 0, 1.0)
     shipped_config = configs.tree_attention_config()
     capability = configs.device_capability()
@@ -182,10 +212,8 @@ def main(argv=None) -> int:
         attend = baseline.tree_attention if name == "baseline" else kernels.tree_attention
         with patched(capability, dataclasses.replace(shipped_config, **fields), attend):
             runners.update(compile_rounds(target, drafter, rounds, args, boxes, sampling, name))
-    rows = [dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
-            for (name, label), ms in time_interleaved(runners, args.repeats).items()]
-    for row in rows:
-        print(f"{row['variant']:>14} {row['round']:>10}: {row['back_to_back_ms']:.3f} ms back to back", flush=True)
+    rows = timed_rows(runners, args.repeats, args.profile)
+    print_rows(rows)
     write_rows(args.out, args, rows)
     return 0
 

@@ -33,16 +33,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
 
 from ddtree_jax import checks, kernels  # noqa: E402
-from ddtree_jax.experiments import bench, profiling  # noqa: E402
+from ddtree_jax.experiments import bench  # noqa: E402
 from ddtree_jax.experiments.flags import int_list  # noqa: E402
 from ddtree_jax.models import layers  # noqa: E402
 from experiments.bench_attention_merge import (  # noqa: E402
     compile_rounds,
     parse_variants,
-    time_interleaved,
+    print_rows,
+    timed_rows,
     write_rows,
 )
 from pallas_kernels import configs  # noqa: E402
@@ -121,20 +121,8 @@ def main(argv=None) -> int:
     for name, patches in parsed:
         with variant(**patches):
             runners.update(compile_rounds(target, drafter, rounds, args, boxes, sampling, name))
-    rows = []
-    for (name, label), ms in time_interleaved(runners, args.repeats).items():
-        row = dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
-        if args.profile:
-            profile = profiling.device_op_times(runners[name, label], calls=3, top=20)
-            row.update(device_ms=sum(line["ms_per_call"] for line in profile.values()), profile=profile)
-        rows.append(row)
-    first = {row["round"]: row for row in reversed(rows)}
-    print(f"{'variant':>14} {'round':>10} {'back to back':>13} {'vs ' + parsed[0][0]:>14} {'device':>9}", flush=True)
-    for row in rows:
-        ratio = row["back_to_back_ms"] / first[row["round"]]["back_to_back_ms"]
-        device = f"{row['device_ms']:.3f}" if "device_ms" in row else "-"
-        print(f"{row['variant']:>14} {row['round']:>10} {row['back_to_back_ms']:10.3f} ms {ratio:13.3f}x "
-              f"{device:>9}", flush=True)
+    rows = timed_rows(runners, args.repeats, args.profile)
+    print_rows(rows)
     write_rows(args.out, args, rows)
     return 0
 
