@@ -68,7 +68,12 @@ def parse_variant(name: str):
         return FIXED_VARIANTS[name]
     prefix, _, number = name.rpartition("_")
     if prefix in NUMBERED_VARIANTS and number.isdigit() and int(number) >= 1:
-        return {NUMBERED_VARIANTS[prefix]: int(number)}
+        fields = {NUMBERED_VARIANTS[prefix]: int(number)}
+        try:
+            configs.TreeAttentionConfig(**fields)
+        except ValueError as err:
+            raise ValueError(f"--variants: {name!r}: {err}") from None
+        return fields
     if prefix == "tile":
         try:
             return attention_tiling(number)

@@ -59,7 +59,7 @@ def test_variant_names_parse_to_their_fields():
 @pytest.mark.parametrize("flag,value",
                          [("--variants", v)
                           for v in ("chunk_0", "programs_x", "nope", "shipped,shipped", "", "tile_m64x", "tile_",
-                                    "merge_0")]
+                                    "merge_0", "merge_3")]
                          + [("--context", "0"), ("--batch", "0"), ("--topk-cap", "-1"), ("--draft-vocab", "-1")])
 def test_bad_flags_raise(tmp_path, flag, value):
     with pytest.raises(ValueError, match=flag):
