@@ -19,8 +19,6 @@ back to back, the variants interleaved.
   programs_<P>   the split policy's minimum programs set to P (fewer splits to merge)
   splits_<S>     at most S splits (``max_splits``)
   whole_waves    the split count lowered to the fewest waves of programs per unit of prefix
-  merge_<R>      the splits merged by the split-merge kernel, R packed rows a program (``merge_rows``)
-  merge_xla      the splits merged by XLA's fusions of ``split_k.merge_normalized_splits``
   tile_<T>       the tiling T, as ``bench_kernels.py --sweep-configs`` names one (``tile_m64k32w4s3``:
                  64-row, 32-key blocks, 4 warps, 3 stages; fields left out stay the local entry's)
 
@@ -58,8 +56,8 @@ from pallas_kernels import configs  # noqa: E402
 
 
 FIXED_VARIANTS = {"shipped": {}, "by_capacity": dict(split_by_length=False), "by_length": dict(split_by_length=True),
-                  "whole_waves": dict(whole_waves=True), "merge_xla": dict(merge_rows=0)}
-NUMBERED_VARIANTS = {"chunk": "min_chunk", "programs": "min_programs", "splits": "max_splits", "merge": "merge_rows"}
+                  "whole_waves": dict(whole_waves=True)}
+NUMBERED_VARIANTS = {"chunk": "min_chunk", "programs": "min_programs", "splits": "max_splits"}
 
 
 def parse_variant(name: str):
@@ -68,19 +66,14 @@ def parse_variant(name: str):
         return FIXED_VARIANTS[name]
     prefix, _, number = name.rpartition("_")
     if prefix in NUMBERED_VARIANTS and number.isdigit() and int(number) >= 1:
-        fields = {NUMBERED_VARIANTS[prefix]: int(number)}
-        try:
-            configs.TreeAttentionConfig(**fields)
-        except ValueError as err:
-            raise ValueError(f"--variants: {name!r}: {err}") from None
-        return fields
+        return {NUMBERED_VARIANTS[prefix]: int(number)}
     if prefix == "tile":
         try:
             return attention_tiling(number)
         except ValueError as err:
             raise ValueError(f"--variants: {err}") from None
     raise ValueError(f"--variants: {name!r} is not one of {', '.join(FIXED_VARIANTS)}, chunk_<C>, programs_<P>, "
-                     f"splits_<S>, merge_<R> (C, P, S, R >= 1) or tile_<tiling>")
+                     f"splits_<S> (C, P, S >= 1) or tile_<tiling>")
 
 
 @contextlib.contextmanager
@@ -195,8 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="the drafter's head over this many tokens (0: the whole vocabulary)")
     ap.add_argument("--variants", default="shipped,splits_4,splits_16",
-                    help="comma-separated, of shipped, by_capacity, by_length, whole_waves, merge_xla, chunk_<C>, "
-                         "programs_<P>, splits_<S>, merge_<R>, tile_<tiling>")
+                    help="comma-separated, of shipped, by_capacity, by_length, whole_waves, chunk_<C>, "
+                         "programs_<P>, splits_<S>, tile_<tiling>")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
     ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
     ap.add_argument("--baseline-module", default=None,

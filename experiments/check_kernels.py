@@ -7,8 +7,7 @@ device, over shapes too large for the CPU.
   Hopper only; ``triton_by_length``: the Triton kernel with the prefix split by each request's length)
   against the reference: contexts up to 64k, up to 512 tree nodes, GQA groups 1/4/8,
   head_dim 64/128, bf16 and fp32, batch up to 32, ragged lengths and padding nodes. The Mosaic GPU
-  kernel skips the fp32 cases (it takes bf16/fp16 only); ``triton_merge``: the Triton kernel with its
-  splits merged by the ``split_merge`` kernel (``merge_rows`` 16). The reference runs with float32 matmuls
+  kernel skips the fp32 cases (it takes bf16/fp16 only). The reference runs with float32 matmuls
   at full precision. Stacked cases put a case's cache in the last layer of an all-layers cache.
 - ``sampling``: the fused tree sampler against the jnp path (``verify_from_coins``) at V = 151,936:
   greedy and sampled requests mixed in a batch, float32 and bf16 logits, kept sets searched among
@@ -29,9 +28,6 @@ device, over shapes too large for the CPU.
 - ``residual_norm``: the split-K sum + residual + RMSNorm kernel (``pallas_kernels.residual_norm``)
   against its reference at the hidden sizes of Qwen3-8B and smaller models, 1 to 520 rows, 2 to 8
   partials, bf16 and fp32: both outputs within 1% of their scale (a rounding).
-- ``split_merge``: the split-merge kernel (``pallas_kernels.split_merge``) against
-  ``merge_normalized_splits`` cast to the output dtype: 1 to 8 splits (not only powers of two), an empty
-  split, 32 to 2,080 packed rows, batch 1 and 3, bf16 and fp32; within one rounding of the output dtype.
 - ``drafter_auto``: drafter passes (Qwen3-8B-shaped layers, two of them, a 16-slot block, random bf16
   weights) with ``"auto"`` against ``"xla"``: each layer's one product over the context rows and the
   block, the K/V of both written by the norm + RoPE + write kernel, the block's queries attending with a
@@ -99,8 +95,6 @@ from pallas_kernels.qk_norm_rope_reference import (
 )
 from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.residual_norm_reference import residual_norm_reference
-from pallas_kernels.split_k import merge_normalized_splits
-from pallas_kernels.split_merge import merge_splits_kernel
 from pallas_kernels.top_k import TopKConfig, top_k
 from pallas_kernels.top_k_reference import top_k_reference
 from pallas_kernels.tree_attention import tree_attention
@@ -287,34 +281,6 @@ def check_residual_norm(interpret=False, cases=RESIDUAL_NORM_CASES):
             return within_scale(dict(x=got[0], normed=got[1]), dict(x=want[0], normed=want[1]), tolerance=0.01)
 
         records.append(_run_case(dict(part="residual_norm", splits=splits, rows=rows, cols=cols, dtype=dtype), check))
-    return records
-
-
-# (batch, splits, packed rows, head_dim, dtype, an empty split): the decode step's 32 rows, a 17-, 64- and
-# 65-node verify's at Qwen3-8B heads, a batch of three.
-SPLIT_MERGE_CASES = [(1, 8, 32, 128, "bfloat16", False), (1, 8, 544, 128, "bfloat16", True),
-                     (1, 6, 2048, 128, "bfloat16", False), (1, 5, 2080, 128, "bfloat16", True),
-                     (3, 3, 96, 64, "float32", True), (1, 1, 64, 128, "bfloat16", False)]
-
-
-def check_split_merge(interpret=False, cases=SPLIT_MERGE_CASES):
-    """The split-merge kernel (compiled, or ``interpret``) against ``merge_normalized_splits``."""
-    records = []
-    for seed, (batch, splits, rows, head_dim, dtype, empty) in enumerate(cases):
-        keys = jax.random.split(jax.random.key(seed), 3)
-        o = jax.random.normal(keys[0], (batch, splits, rows, head_dim), jnp.float32).astype(dtype)
-        m = 4 * jax.random.normal(keys[1], (batch, splits, rows), jnp.float32)
-        l_ = jax.random.uniform(keys[2], (batch, splits, rows), jnp.float32, 1.0, 64.0)
-        if empty:
-            m, l_, o = m.at[:, -1].set(-1e30), l_.at[:, -1].set(0.0), o.at[:, -1].set(0)
-
-        def check(args=(o, m, l_)):
-            got = merge_splits_kernel(*args, interpret=interpret)
-            return within_scale(dict(o=got), dict(o=merge_normalized_splits(*args).astype(got.dtype)), tolerance=0.01)
-
-        record = dict(part="split_merge", batch=batch, splits=splits, rows=rows, head_dim=head_dim, dtype=dtype,
-                      empty_split=empty)
-        records.append(_run_case(record, check))
     return records
 
 
@@ -613,14 +579,11 @@ def check_attention(backends=("triton",), cases=ATTENTION_CASES, stacked=STACKED
 
 def attention_kernel(backend: str):
     """The attention kernel a ``--backends`` name stands for: ``triton`` (the local GPU's config),
-    ``triton_by_length`` (that config with ``split_by_length``), ``triton_merge`` (with its splits merged
-    by the split-merge kernel), ``mosaic`` (Hopper), or either run by its interpreter (``interpret``,
-    ``mosaic_interpret``)."""
+    ``triton_by_length`` (that config with ``split_by_length``), ``mosaic`` (Hopper), or either run by its
+    interpreter (``interpret``, ``mosaic_interpret``)."""
     by_length = lambda: dataclasses.replace(tree_attention_config(), split_by_length=True)  # noqa: E731
-    merge_kernel = lambda: dataclasses.replace(tree_attention_config(), merge_rows=16)  # noqa: E731
     return {"triton": lambda: functools.partial(tree_attention, config=tree_attention_config()),
             "triton_by_length": lambda: functools.partial(tree_attention, config=by_length()),
-            "triton_merge": lambda: functools.partial(tree_attention, config=merge_kernel()),
             "mosaic": lambda: tree_attention_mgpu,
             "interpret": lambda: functools.partial(tree_attention, interpret=True),
             "mosaic_interpret": lambda: functools.partial(tree_attention_mgpu, interpret=True)}[backend]()
@@ -641,9 +604,9 @@ def _check_attention_backend(record, args, scale, ref, backend):
     return _run_case(record, check)
 
 
-BACKENDS = ("triton", "triton_by_length", "triton_merge", "mosaic")
+BACKENDS = ("triton", "triton_by_length", "mosaic")
 PARTS = ("attention", "sampling", "matmul", "matmul_auto", "matmul_mosaic", "forward_auto", "drafter_auto", "rope",
-         "rope_write", "kv_write", "residual_norm", "split_merge", "tree_build", "top_k")
+         "rope_write", "kv_write", "residual_norm", "tree_build", "top_k")
 
 
 def main(argv=None):
@@ -660,8 +623,7 @@ def main(argv=None):
                   matmul_auto=functools.partial(check_matmul, impl="auto"), matmul_mosaic=check_matmul_mosaic,
                   forward_auto=check_forward,
                   drafter_auto=check_drafter, rope=check_rope, rope_write=check_rope_write, kv_write=check_kv_write,
-                  residual_norm=check_residual_norm, split_merge=check_split_merge, tree_build=check_tree_build,
-                  top_k=check_top_k)
+                  residual_norm=check_residual_norm, tree_build=check_tree_build, top_k=check_top_k)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,11 +39,6 @@ import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def is_pow2(n) -> bool:
-    """Whether ``n`` is an int power of two (1 included)."""
-    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
-
-
 def check_fields(config, *, powers_of_two=(), positive=(), non_negative=(), warps=()) -> None:
     """``ValueError`` naming the config and field unless each field of ``powers_of_two`` is a power of
     two >= 16, of ``positive`` an int >= 1, of ``non_negative`` an int >= 0, and of ``warps`` a
@@ -81,8 +76,6 @@ class TreeAttentionConfig:
     programs on 132 multiprocessors run in two waves, the second less than half full.
     ``smem_bytes``: shared memory a program may use; fewer stages are launched where the query
     block and ``num_stages`` K/V blocks would not fit (float32 operands at 128-row blocks).
-    ``merge_rows``: with several splits, merge their outputs by the `split_merge` kernel, this many
-    packed rows a program (a power of two); ``0``: by `split_k.merge_normalized_splits` (XLA's fusions).
     ``measured``: whether the entry was tuned on that hardware.
     """
 
@@ -96,13 +89,10 @@ class TreeAttentionConfig:
     split_by_length: bool = False
     max_splits: int | None = None
     whole_waves: bool = False
-    merge_rows: int = 0
     measured: bool = False
 
     def __post_init__(self):
-        check_fields(self, powers_of_two=("block_m", "block_k"), non_negative=("merge_rows",))
-        if self.merge_rows and not is_pow2(self.merge_rows):
-            raise ValueError(f"TreeAttentionConfig.merge_rows must be 0 or a power of two, got {self.merge_rows!r}")
+        check_fields(self, powers_of_two=("block_m", "block_k"))
         if self.max_splits is not None:
             check_fields(self, positive=("max_splits",))
 
@@ -176,6 +166,11 @@ def mosaic_interpret_params():
 
 
 DEFAULT_MULTIPROCESSORS = 132  # an H100 / H200: what launch policies assume where the device does not say
+
+
+def is_pow2(n) -> bool:
+    """Whether ``n`` is an int power of two (1 included)."""
+    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
 def device_multiprocessors() -> int | None:

@@ -35,7 +35,6 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.configs import TreeAttentionConfig, device_multiprocessors
 from pallas_kernels.split_k import blocks_per_split, merge_normalized_splits, round_up, split_count
-from pallas_kernels.split_merge import merge_splits_kernel
 from pallas_kernels.tree_attention_reference import check_shapes, stacked
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -228,10 +227,5 @@ def _tree_attention_pallas(q_BNHD, k_LBKSD, v_LBKSD, lengths_B, mask_BNM, *, sca
             num_stages=config.launch_stages(plan.block_m, head_dim, q_BNHD.dtype.itemsize)),
         interpret=interpret, name="tree_attention",
     )(lengths_B, q_BRD, k_LBKSD, v_LBKSD, mask_BNM)
-    if plan.num_splits == 1:
-        o_BRD = outs[0]
-    elif config.merge_rows:
-        o_BRD = merge_splits_kernel(*outs, block_rows=config.merge_rows, interpret=interpret)
-    else:
-        o_BRD = merge_normalized_splits(*outs)
+    o_BRD = outs[0] if plan.num_splits == 1 else merge_normalized_splits(*outs)
     return o_BRD.reshape(q_BNHD.shape).astype(q_BNHD.dtype)

@@ -26,7 +26,7 @@ def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path, monkey
     made, make_state = [], bench_attention_merge.bench.make_state
     monkeypatch.setattr(bench_attention_merge.bench, "make_state",
                         lambda *a: made.append(a[2].method) or make_state(*a))
-    variants = ("shipped", "by_capacity", "whole_waves", "programs_64", "tile_m32k16", "merge_4")
+    variants = ("shipped", "by_capacity", "whole_waves", "programs_64", "tile_m32k16")
     baseline = tmp_path / "old_tree_attention.py"
     baseline.write_text(Path(KERNEL_MODULE.__file__).read_text())
     seen, compile_round = [], bench_attention_merge.compiled_round
@@ -40,7 +40,7 @@ def test_tiny_run_writes_every_variant_and_restores_the_patches(tmp_path, monkey
         (v, m) for v in (*variants, "baseline") for m in ("ar", "ddtree4", "ddtree8")]
     assert all(r["back_to_back_ms"] > 0 and "device_ms" in r and "profile" in r for r in rows)
     assert made == ["ar", "ddtree", "ddtree"]
-    assert seen == ["pallas_kernels.tree_attention"] * 18 + ["tree_attention_baseline"] * 3
+    assert seen == ["pallas_kernels.tree_attention"] * 15 + ["tree_attention_baseline"] * 3
     assert configs.TREE_ATTENTION_CONFIGS == before and kernels.tree_attention is KERNEL_MODULE.tree_attention
 
 
@@ -49,7 +49,6 @@ def test_variant_names_parse_to_their_fields():
     assert parse("shipped") == {} and parse("by_capacity") == {"split_by_length": False}
     assert parse("chunk_1024") == {"min_chunk": 1024} and parse("programs_128") == {"min_programs": 128}
     assert parse("splits_8") == {"max_splits": 8} and parse("whole_waves") == {"whole_waves": True}
-    assert parse("merge_16") == {"merge_rows": 16} and parse("merge_xla") == {"merge_rows": 0}
     assert parse("tile_m64k32w4s3") == dict(block_m=64, block_k=32, num_warps=4, num_stages=3)
     assert parse("tile_j16v0") == dict(max_splits=16, whole_waves=False)
     assert bench_attention_merge.parse_variants("shipped,splits_9", parse) == [("shipped", {}),
@@ -58,8 +57,7 @@ def test_variant_names_parse_to_their_fields():
 
 @pytest.mark.parametrize("flag,value",
                          [("--variants", v)
-                          for v in ("chunk_0", "programs_x", "nope", "shipped,shipped", "", "tile_m64x", "tile_",
-                                    "merge_0", "merge_3")]
+                          for v in ("chunk_0", "programs_x", "nope", "shipped,shipped", "", "tile_m64x", "tile_")]
                          + [("--context", "0"), ("--batch", "0"), ("--topk-cap", "-1"), ("--draft-vocab", "-1")])
 def test_bad_flags_raise(tmp_path, flag, value):
     with pytest.raises(ValueError, match=flag):
