@@ -7,8 +7,9 @@ outputs fused with the pad of the output projection's rows); the partial outputs
 ``[splits, rows, head_dim]`` in the activations' dtype, 3.7 MB a layer in bfloat16 for a 16-node tree and
 27 splits.
 This script compiles the AR round (the decode step) and a DDTree round per ``--budgets`` at Qwen3-8B
-shapes, random weights, ``--batch`` requests of ``--context`` tokens, once per variant, and times them
-back to back, the variants interleaved.
+shapes, random weights, ``--batch`` requests of ``--context`` tokens (the drafter's head over
+``--draft-vocab`` tokens), once per variant, times them back to back with the variants interleaved, and with
+``--profile`` sums each round's device time.
 ``--variants`` names them:
 
   shipped        the local GPU's split policy and tiling as they are
