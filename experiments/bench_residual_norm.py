@@ -33,7 +33,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
 from ddtree_jax import checks, kernels  # noqa: E402
 from ddtree_jax.experiments import bench  # noqa: E402
 from ddtree_jax.experiments.flags import int_list  # noqa: E402
