@@ -60,11 +60,13 @@ tables of ``pallas_kernels/configs.py``, keyed by the device's compute capabilit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import compute_on as compute_on_module
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -75,6 +77,8 @@ from pallas_kernels import configs
 from pallas_kernels.kv_write import kernel_supports as kv_write_supports
 from pallas_kernels.kv_write import kv_write
 from pallas_kernels.kv_write_reference import kv_write_reference
+from pallas_kernels.l2_prefetch import l2_prefetch
+from pallas_kernels.l2_prefetch_reference import tile_count
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference, rms_norm, split_partials
 from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
@@ -283,6 +287,67 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
         return (y_MN, None) if then_norm_N is not None or with_partials else y_MN
 
     return product
+
+
+@dataclasses.dataclass(frozen=True)
+class L2Prefetch:
+    """Which weights the `l2_prefetch` kernel reads into L2 ahead of their products, and its launch.
+
+    ``wo``: the fraction of a layer's attention output matrix read once the layer's q/k/v product is done,
+    while its norms, RoPE, cache write and attention run. ``programs``, ``block_rows``, ``cols``, ``num_warps``:
+    the kernel's (`pallas_kernels.l2_prefetch`)."""
+
+    wo: float = 0.0
+    programs: int = 64
+    block_rows: int = 64
+    cols: int = 512
+    num_warps: int = 8
+
+    def __post_init__(self):
+        if not 0.0 <= self.wo <= 1.0:
+            raise ValueError(f"L2Prefetch.wo must be a fraction in [0, 1], got {self.wo!r}")
+        configs.check_fields(self, positive=("programs", "block_rows", "cols"), warps=("num_warps",))
+
+
+# ``compute_on`` as a function wrapper: ``compute_on2`` in JAX 0.10, ``compute_on`` from 0.11.
+on_compute_type = getattr(compute_on_module, "compute_on2", None) or compute_on_module.compute_on
+# Devices (``auto`` without a mesh) whose forwards read weights into L2 ahead of their products, on a second
+# stream (`prefetch_fn`).
+L2_PREFETCH: dict[tuple[int, int], L2Prefetch] = {}
+
+
+def prefetch_fn(impl: str, mesh: Mesh | None = None, config: L2Prefetch | None = None):
+    """``ahead(w, after, *, matrix) -> tie`` for the products of ``impl`` (a ``matmul_impl``), or ``None`` where
+    nothing is read ahead: the `l2_prefetch` kernel reads the first ``getattr(config, matrix)`` of the weight
+    ``w`` into L2 once ``after`` is computed, and ``tie(x)`` returns ``x`` (the same values, a signed zero
+    aside) computed only once the kernel is done: the product that takes a tied input finds those weights in
+    L2. On a GPU the kernel runs on a second stream, beside the launches between ``after`` and the tie;
+    ``"interpret"`` runs it in the Pallas interpreter (tests). ``config``: default `L2_PREFETCH`'s entry for
+    the device under ``auto`` (none elsewhere); ``"pallas"`` and ``"interpret"`` read nothing ahead without
+    one."""
+    impl = check_impl("matmul_impl", impl)
+    if impl == "xla" or mesh is not None:
+        return None
+    if impl == "auto":
+        config = L2_PREFETCH.get(configs.device_capability()) if pallas_gpu() else None
+    if config is None:
+        return None
+    interpret = impl == "interpret"
+
+    def ahead(w, after, *, matrix: str):
+        tiles = int(getattr(config, matrix) * tile_count(w, block_rows=config.block_rows, cols=config.cols))
+        if tiles == 0 or w.size % (config.block_rows * config.cols):
+            return lambda x: x
+        read = functools.partial(l2_prefetch, tiles=tiles, programs=config.programs, block_rows=config.block_rows,
+                                 cols=config.cols, num_warps=config.num_warps, interpret=interpret)
+        if not interpret:
+            read = on_compute_type(read, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
+        # A use of the kernel's result that XLA keeps (an unused one, even through an optimization barrier,
+        # is removed with the kernel): program 0 reads the first tile, so its maximum is finite for finite w.
+        zero = 0 * read(w, after)[0]
+        return lambda x: x + zero.astype(x.dtype)
+
+    return ahead
 
 
 def rows_padded(product, min_rows: int):

@@ -197,7 +197,7 @@ def packed_attend(mask_BNM, row_M, slot_M, scale, impl: str = "xla", mesh=None):
 
 
 def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=(),
-                matmul=matmul_reference, mlp=dense_mlp, context_BCD=None):
+                matmul=matmul_reference, mlp=dense_mlp, context_BCD=None, prefetch=None):
     """Run decoder layers on ``x [B, N, D]``; only the attention and the MLP differ between callers.
 
     ``attend(i, inputs, state) -> (out_BNHD, state)`` does layer i's attention from its `HeadInputs`
@@ -218,8 +218,12 @@ def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, t
         then_norm_D = layers[i + 1].input_norm if i + 1 < len(layers) else None
         with jax.named_scope(f"layer_{i}"):
             inputs = attention_inputs(layer, x_BND, rope_BNF, shape, matmul, context_BCD, normed_BND)
+            tie = lambda x: x  # noqa: E731
+            if prefetch is not None:
+                tie = prefetch(layer.wo, inputs.qkv_BNC if inputs.partials_SRC is None else inputs.partials_SRC,
+                               matrix="wo")
             attn_BNHD, state = attend(i, inputs, state)
-            x_BND, normed_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul, mlp, then_norm_D)
+            x_BND, normed_BND = layer_output(layer, x_BND, tie(attn_BNHD), shape, matmul, mlp, then_norm_D)
         taps[i] = x_BND
     return x_BND, [taps[i] for i in tap_layers], state
 
