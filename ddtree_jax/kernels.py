@@ -66,7 +66,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import compute_on as compute_on_module
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -77,7 +77,7 @@ from pallas_kernels import configs
 from pallas_kernels.kv_write import kernel_supports as kv_write_supports
 from pallas_kernels.kv_write import kv_write
 from pallas_kernels.kv_write_reference import kv_write_reference
-from pallas_kernels.l2_prefetch import l2_prefetch
+from pallas_kernels.l2_prefetch import l2_prefetch_rows
 from pallas_kernels.l2_prefetch_reference import tile_count
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference, rms_norm, split_partials
@@ -309,8 +309,6 @@ class L2Prefetch:
         configs.check_fields(self, positive=("programs", "block_rows", "cols"), warps=("num_warps",))
 
 
-# ``compute_on`` as a function wrapper: ``compute_on2`` in JAX 0.10, ``compute_on`` from 0.11.
-on_compute_type = getattr(compute_on_module, "compute_on2", None) or compute_on_module.compute_on
 # Devices (``auto`` without a mesh) whose forwards read weights into L2 ahead of their products, on a second
 # stream (`prefetch_fn`).
 L2_PREFETCH: dict[tuple[int, int], L2Prefetch] = {}
@@ -338,13 +336,17 @@ def prefetch_fn(impl: str, mesh: Mesh | None = None, config: L2Prefetch | None =
         tiles = int(getattr(config, matrix) * tile_count(w, block_rows=config.block_rows, cols=config.cols))
         if tiles == 0 or w.size % (config.block_rows * config.cols):
             return lambda x: x
-        read = functools.partial(l2_prefetch, tiles=tiles, programs=config.programs, block_rows=config.block_rows,
-                                 cols=config.cols, num_warps=config.num_warps, interpret=interpret)
-        if not interpret:
-            read = on_compute_type(read, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
+        launch = dict(tiles=tiles, programs=config.programs, block_rows=config.block_rows, num_warps=config.num_warps)
+        w_RC = w.reshape(-1, config.cols)
+        if interpret:
+            maxima = l2_prefetch_rows(w_RC, after, **launch, interpret=True)
+        else:
+            # On the custom call itself: XLA wraps an annotated instruction in an async pair on that stream.
+            with set_xla_metadata(_xla_stream_annotation="1"):
+                maxima = l2_prefetch_rows(w_RC, after, **launch, interpret=False)
         # A use of the kernel's result that XLA keeps (an unused one, even through an optimization barrier,
         # is removed with the kernel): program 0 reads the first tile, so its maximum is finite for finite w.
-        zero = 0 * read(w, after)[0]
+        zero = 0 * maxima[0]
         return lambda x: x + zero.astype(x.dtype)
 
     return ahead

@@ -42,14 +42,21 @@ def l2_prefetch(w, after=None, *, tiles: int, programs: int, block_rows: int = 6
 
 @functools.partial(jax.jit, static_argnames=("tiles", "programs", "block_rows", "cols", "num_warps", "interpret"))
 def _l2_prefetch(w, after, *, tiles, programs, block_rows, cols, num_warps, interpret):
+    return l2_prefetch_rows(w.reshape(-1, cols), after, tiles=tiles, programs=programs, block_rows=block_rows,
+                            num_warps=num_warps, interpret=interpret)
+
+
+def l2_prefetch_rows(w_RC, after, *, tiles: int, programs: int, block_rows: int, num_warps: int, interpret: bool):
+    """The kernel's launch alone, on the matrix already viewed as rows of ``cols`` (``[R, cols]``), no checks: a
+    single custom call, for a caller that sets attributes on it (``ddtree_jax.kernels`` sets the stream)."""
     return pl.pallas_call(
         functools.partial(_kernel, tiles=tiles, block_rows=block_rows), grid=(programs,),
-        in_specs=[pl.BlockSpec((w.size // cols, cols), lambda p: (0, 0)),
+        in_specs=[pl.BlockSpec(w_RC.shape, lambda p: (0, 0)),
                   pl.BlockSpec(after.shape, lambda p: (0,) * after.ndim)],
         out_specs=pl.BlockSpec((None,), lambda p: (p,)),
         out_shape=jax.ShapeDtypeStruct((programs,), jnp.float32), interpret=interpret, name="l2_prefetch",
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-    )(w.reshape(-1, cols), after)
+    )(w_RC, after)
 
 
 def _kernel(w_ref, after_ref, out_ref, *, tiles, block_rows):
