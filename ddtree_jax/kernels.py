@@ -38,6 +38,9 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
                 1.4-2.1% less on an H100); the q/k/v product is a split-K
                 whose partials go to the norm + RoPE + write kernel
                 (`partials_product`, `QKV_PARTIALS`)
+  L2 prefetch   none: `L2_PREFETCH` is empty until the kernel that reads  none
+                the attention output matrix into L2 on a second stream
+                (`prefetch_fn`) is timed in the rounds
   sampler       pallas without a mesh; xla under a mesh (XLA partitions    xla
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========

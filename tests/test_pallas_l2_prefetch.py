@@ -120,3 +120,20 @@ def test_a_forward_reading_ahead_equals_the_forward_without(fraction):
     np.testing.assert_array_equal(jax.jit(forward, static_argnums=0)(ahead), jax.jit(forward, static_argnums=0)(None))
     maxima = [jax.jit(forward, static_argnums=0).lower(p).compile().as_text().count("maximum(") for p in (ahead, None)]
     assert maxima[0] > maxima[1]
+
+
+def test_check_kernels_part_through_the_interpreter(monkeypatch):
+    """`experiments/check_kernels.py`'s l2_prefetch part on small cases and a small forward, interpreted: every
+    case passes, and the forwards launched the kernel (two layers, two forwards)."""
+    from experiments import check_kernels
+
+    launches = []
+    rows = kernels.l2_prefetch_rows
+    monkeypatch.setattr(kernels, "l2_prefetch_rows", lambda *a, **k: launches.append(k) or rows(*a, **k))
+    shapes = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)
+    records = check_kernels.check_l2_prefetch(
+        interpret=True, cases=[(128, 512, 0.5, 3, "bfloat16")], forwards=[(1, 8), (5, 8)], shapes=shapes,
+        config=kernels.L2Prefetch(wo=0.5, programs=3, block_rows=8, cols=64))
+    assert [(r["part"], r["ok"]) for r in records] == [("l2_prefetch", True)] + [("l2_prefetch_forward", True)] * 2
+    assert [k["tiles"] for k in launches] == [8] * 4
