@@ -299,10 +299,11 @@ L2_PREFETCH_CASES = [(4096, 4096, 1.0, 64, "bfloat16"), (4096, 6144, 0.3, 64, "b
                      (512, 512, 1.0, 7, "float32")]
 # (rows of a forward, its context) with and without the L2 prefetch
 L2_PREFETCH_FORWARDS = [(1, 1024), (64, 1024)]
+L2_PREFETCH_CONFIG = kernels.L2Prefetch(wo=1.0)
 
 
 def check_l2_prefetch(interpret=False, cases=L2_PREFETCH_CASES, forwards=L2_PREFETCH_FORWARDS, shapes=None, layers=2,
-                      config=kernels.L2Prefetch(wo=1.0)):
+                      config=L2_PREFETCH_CONFIG):
     """The L2 prefetch kernel (compiled, or ``interpret``) against its reference, and target forwards (``shapes``:
     the target's config fields, default Qwen3-8B's, ``layers`` of them) reading each attention output matrix
     ahead by ``config`` against the same forwards without (see the module docstring)."""

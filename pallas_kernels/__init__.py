@@ -49,7 +49,8 @@ from pallas_kernels.tree_build_wide import tree_nodes_wide
 from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample_reference
 
 __all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "kv_write", "kv_write_reference", "l2_prefetch",
-           "l2_prefetch_reference", "matmul", "matmul_mgpu", "matmul_reference", "qk_norm_rope", "qk_norm_rope_reference", "qk_norm_rope_write",
-           "qk_norm_rope_write_reference", "residual_norm", "residual_norm_reference", "top_k", "top_k_reference",
-           "tree_attention", "tree_attention_config", "tree_attention_reference", "tree_nodes",
-           "tree_nodes_reference", "tree_nodes_wide", "tree_sample", "tree_sample_reference"]
+           "l2_prefetch_reference", "matmul", "matmul_mgpu", "matmul_reference", "qk_norm_rope",
+           "qk_norm_rope_reference", "qk_norm_rope_write", "qk_norm_rope_write_reference", "residual_norm",
+           "residual_norm_reference", "top_k", "top_k_reference", "tree_attention", "tree_attention_config",
+           "tree_attention_reference", "tree_nodes", "tree_nodes_reference", "tree_nodes_wide", "tree_sample",
+           "tree_sample_reference"]

@@ -137,3 +137,25 @@ def test_check_kernels_part_through_the_interpreter(monkeypatch):
         config=kernels.L2Prefetch(wo=0.5, programs=3, block_rows=8, cols=64))
     assert [(r["part"], r["ok"]) for r in records] == [("l2_prefetch", True)] + [("l2_prefetch_forward", True)] * 2
     assert [k["tiles"] for k in launches] == [8] * 4
+
+
+def test_the_gpu_program_launches_the_kernel_on_a_second_stream_each_layer():
+    """Lowered for CUDA (no GPU needed), a decoder with ``"pallas"`` read-ahead holds one l2_prefetch custom call
+    a layer, each carrying the stream attribute XLA wraps in an async pair, and none without read-ahead."""
+    target = small_target()
+    cache = init_cache(2, 1, 2, 16, 16, jnp.bfloat16)
+    target = jax.tree.map(lambda a: a.astype(jnp.bfloat16), target)
+    tokens, positions = jnp.array([[3, 5, 7]]), jnp.arange(3)[None]
+    mask = jnp.tril(jnp.ones((3, 3), bool))[None]
+    ahead = kernels.prefetch_fn("pallas", config=kernels.L2Prefetch(wo=1.0, programs=2, block_rows=16, cols=64))
+
+    def calls(prefetch):
+        def forward(target, cache):
+            attend = L.cached_attend(mask, 16 ** -0.5, "xla")
+            return qwen3.run_layers(target, tokens, positions, attend, cache, (), prefetch=prefetch)[0]
+        text = jax.jit(forward).trace(target, cache).lower(lowering_platforms=("cuda",)).as_text()
+        return [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+
+    launched = calls(ahead)
+    assert len(launched) == 2 and all('_xla_stream_annotation = "1"' in line for line in launched)
+    assert calls(None) == []
