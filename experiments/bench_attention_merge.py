@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -167,6 +168,42 @@ def timed_rows(runners: dict, repeats: int, profile: bool) -> list[dict]:
     return rows
 
 
+def add_round_flags(ap: argparse.ArgumentParser, *, budgets, draft_vocab: int, repeats: int, out: str) -> None:
+    """The flags every round A/B script shares, with its defaults: the shapes, the requests, the DDTree
+    budgets and cap, the drafter's vocabulary, the interleaved passes, ``--profile`` and ``--out``."""
+    ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1, help="requests per round, each with --context tokens")
+    ap.add_argument("--budgets", type=int_list, default=budgets, help="comma-separated DDTree budgets")
+    ap.add_argument("--topk-cap", type=int, default=4)
+    ap.add_argument("--draft-vocab", type=int, default=draft_vocab,
+                    help="the drafter's head over this many tokens (0: the whole vocabulary)")
+    ap.add_argument("--repeats", type=int, default=repeats, help="interleaved passes over the variants")
+    ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
+    ap.add_argument("--out", type=Path, default=Path(out))
+
+
+def run_variants(args, variants: list[tuple], ar: bool) -> int:
+    """The rounds (AR's with ``ar``, a DDTree round per ``args.budgets``) compiled under each ``(name,
+    patch)`` of ``variants`` (``patch()``: a context manager patching the library while tracing), timed
+    interleaved (`timed_rows`), printed and written to ``args.out``; the flags of `add_round_flags` checked
+    first. Returns 0."""
+    checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
+                 + [("topk_cap", lambda v: v >= 0, ">= 0"), ("draft_vocab", lambda v: v >= 0, ">= 0")])
+    target, drafter = bench.make_models(args.shapes, args.draft_vocab)
+    sampling = bench.constant_sampling(args.batch, 1.0, 0, 1.0)
+    rounds = [("ar", "ar", 1)] if ar else []
+    rounds += [(f"ddtree{b}", "ddtree", b) for b in args.budgets]
+    runners, boxes = {}, {}
+    for name, patch in variants:
+        with patch():
+            runners.update(compile_rounds(target, drafter, rounds, args, boxes, sampling, name))
+    rows = timed_rows(runners, args.repeats, args.profile)
+    print_rows(rows)
+    write_rows(args.out, args, rows)
+    return 0
+
+
 def print_rows(rows: list[dict]) -> None:
     """A table of `timed_rows`, each round's time also as a ratio to the first variant's."""
     first = {row["round"]: row for row in reversed(rows)}
@@ -181,41 +218,23 @@ def print_rows(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=1, help="requests per round, each with --context tokens")
-    ap.add_argument("--budgets", type=int_list, default=[16],
-                    help="comma-separated DDTree budgets, each a round beside AR's")
-    ap.add_argument("--topk-cap", type=int, default=4)
-    ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="the drafter's head over this many tokens (0: the whole vocabulary)")
+    add_round_flags(ap, budgets=[16], draft_vocab=0, repeats=5, out="experiments/results/bench_attention_merge.json")
     ap.add_argument("--variants", default="shipped,splits_4,splits_16",
                     help="comma-separated, of shipped, by_capacity, by_length, whole_waves, chunk_<C>, "
                          "programs_<P>, splits_<S>, tile_<tiling>")
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved passes over the variants")
-    ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
     ap.add_argument("--baseline-module", default=None,
                     help="a previous version of pallas_kernels/tree_attention.py, timed as the variant 'baseline'")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_attention_merge.json"))
     args = ap.parse_args(argv)
     parsed = parse_variants(args.variants, parse_variant)
-    checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
-                 + [("topk_cap", lambda v: v >= 0, ">= 0"), ("draft_vocab", lambda v: v >= 0, ">= 0")])
-    target, drafter = bench.make_models(args.shapes, args.draft_vocab)
-    sampling = bench.constant_sampling(args.batch, 1.0, 0, 1.0)
     shipped_config = configs.tree_attention_config()
     capability = configs.device_capability()
     baseline = load_baseline(args.baseline_module, "tree_attention_baseline") if args.baseline_module else None
-    rounds = [("ar", "ar", 1), *((f"ddtree{b}", "ddtree", b) for b in args.budgets)]
-    runners, boxes = {}, {}
+    variants = []
     for name, fields in parsed + ([("baseline", {})] if baseline else []):
         attend = baseline.tree_attention if name == "baseline" else kernels.tree_attention
-        with patched(capability, dataclasses.replace(shipped_config, **fields), attend):
-            runners.update(compile_rounds(target, drafter, rounds, args, boxes, sampling, name))
-    rows = timed_rows(runners, args.repeats, args.profile)
-    print_rows(rows)
-    write_rows(args.out, args, rows)
-    return 0
+        variants.append((name, functools.partial(patched, capability, dataclasses.replace(shipped_config, **fields),
+                                                 attend)))
+    return run_variants(args, variants, ar=True)
 
 
 if __name__ == "__main__":

@@ -22,22 +22,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_jax import checks, kernels  # noqa: E402
-from ddtree_jax.experiments import bench  # noqa: E402
-from ddtree_jax.experiments.flags import int_list  # noqa: E402
-from experiments.bench_attention_merge import (  # noqa: E402
-    compile_rounds,
-    parse_variants,
-    print_rows,
-    timed_rows,
-    write_rows,
-)
+from ddtree_jax import kernels  # noqa: E402
+from experiments.bench_attention_merge import add_round_flags, parse_variants, run_variants  # noqa: E402
 from pallas_kernels import configs  # noqa: E402
 
 FRACTIONS = ("wo",)
@@ -81,35 +74,14 @@ def variant(capability, config: kernels.L2Prefetch | None):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=1, help="requests per round, each with --context tokens")
-    ap.add_argument("--budgets", type=int_list, default=[16, 63], help="comma-separated DDTree budgets")
+    add_round_flags(ap, budgets=[16, 63], draft_vocab=32768, repeats=7, out="experiments/results/bench_prefetch.json")
     ap.add_argument("--no-ar", dest="ar", action="store_false", help="leave out the AR round (the decode step)")
-    ap.add_argument("--topk-cap", type=int, default=4)
-    ap.add_argument("--draft-vocab", type=int, default=32768,
-                    help="the drafter's head over this many tokens (0: the whole vocabulary)")
     ap.add_argument("--variants", default="off,wo=1", help="comma-separated, of shipped, off, field=value+...")
-    ap.add_argument("--repeats", type=int, default=7, help="interleaved passes over the variants")
-    ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_prefetch.json"))
     args = ap.parse_args(argv)
     capability = configs.device_capability()
     parsed = parse_variants(args.variants, lambda name: parse_variant(name, kernels.L2_PREFETCH.get(capability)))
-    checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
-                 + [("topk_cap", lambda v: v >= 0, ">= 0"), ("draft_vocab", lambda v: v >= 0, ">= 0")])
-    target, drafter = bench.make_models(args.shapes, args.draft_vocab)
-    sampling = bench.constant_sampling(args.batch, 1.0, 0, 1.0)
-    rounds = [("ar", "ar", 1)] if args.ar else []
-    rounds += [(f"ddtree{b}", "ddtree", b) for b in args.budgets]
-    runners, boxes = {}, {}
-    for name, config in parsed:
-        with variant(capability, config):
-            runners.update(compile_rounds(target, drafter, rounds, args, boxes, sampling, name))
-    rows = timed_rows(runners, args.repeats, args.profile)
-    print_rows(rows)
-    write_rows(args.out, args, rows)
-    return 0
+    return run_variants(args, [(name, functools.partial(variant, capability, config)) for name, config in parsed],
+                        args.ar)
 
 
 if __name__ == "__main__":

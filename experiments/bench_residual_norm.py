@@ -28,22 +28,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_jax import checks, kernels  # noqa: E402
-from ddtree_jax.experiments import bench  # noqa: E402
-from ddtree_jax.experiments.flags import int_list  # noqa: E402
+from ddtree_jax import kernels  # noqa: E402
 from ddtree_jax.models import layers  # noqa: E402
-from experiments.bench_attention_merge import (  # noqa: E402
-    compile_rounds,
-    parse_variants,
-    print_rows,
-    timed_rows,
-    write_rows,
-)
+from experiments.bench_attention_merge import add_round_flags, parse_variants, run_variants  # noqa: E402
 from pallas_kernels import configs  # noqa: E402
 from pallas_kernels.matmul_reference import matmul_reference  # noqa: E402
 
@@ -95,35 +88,14 @@ def variant(rows: int | None = None, down: bool = True, splits: int | None = Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", choices=sorted(bench.SHAPES), default="qwen3-8b")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=1, help="requests per round, each with --context tokens")
-    ap.add_argument("--budgets", type=int_list, default=[16, 63, 64], help="comma-separated DDTree budgets")
+    add_round_flags(ap, budgets=[16, 63, 64], draft_vocab=32768, repeats=7,
+                    out="experiments/results/bench_residual_norm.json")
     ap.add_argument("--ar", action="store_true", help="also time the AR round (the decode step)")
-    ap.add_argument("--topk-cap", type=int, default=4)
-    ap.add_argument("--draft-vocab", type=int, default=32768,
-                    help="the drafter's head over this many tokens (0: the whole vocabulary)")
     ap.add_argument("--variants", default="shipped,xla,qkv_summed",
                     help="comma-separated, of shipped, xla, output_only, qkv_summed, rows_<R>, splits_<S>")
-    ap.add_argument("--repeats", type=int, default=7, help="interleaved passes over the variants")
-    ap.add_argument("--profile", action="store_true", help="also trace each round and sum its device time")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results/bench_residual_norm.json"))
     args = ap.parse_args(argv)
     parsed = parse_variants(args.variants, parse_variant)
-    checks.flags(args, [(name, lambda v: v >= 1, ">= 1") for name in ("context", "batch", "repeats")]
-                 + [("topk_cap", lambda v: v >= 0, ">= 0"), ("draft_vocab", lambda v: v >= 0, ">= 0")])
-    target, drafter = bench.make_models(args.shapes, args.draft_vocab)
-    sampling = bench.constant_sampling(args.batch, 1.0, 0, 1.0)
-    rounds = [("ar", "ar", 1)] if args.ar else []
-    rounds += [(f"ddtree{b}", "ddtree", b) for b in args.budgets]
-    runners, boxes = {}, {}
-    for name, patches in parsed:
-        with variant(**patches):
-            runners.update(compile_rounds(target, drafter, rounds, args, boxes, sampling, name))
-    rows = timed_rows(runners, args.repeats, args.profile)
-    print_rows(rows)
-    write_rows(args.out, args, rows)
-    return 0
+    return run_variants(args, [(name, functools.partial(variant, **patches)) for name, patches in parsed], args.ar)
 
 
 if __name__ == "__main__":
