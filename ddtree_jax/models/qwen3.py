@@ -150,7 +150,7 @@ def project_vocab(target: Target, h_BND, matmul=matmul_reference):
 def run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers, logits_at_BK=None,
                matmul=matmul_reference, mlp=None, prefetch=None):
     """The body of every target forward: embedding, `layers.run_decoder` (``attend``, ``state``,
-    ``matmul`` and ``mlp`` as there; ``mlp`` default `moe.decoder_mlp()`), final
+    ``matmul``, ``mlp`` and ``prefetch`` as there; ``mlp`` default `moe.decoder_mlp()`), final
     norm, taps and LM head.
     Returns ``(logits, taps_BNF, state)`` as `target_forward`."""
     cfg = target.config
