@@ -159,3 +159,33 @@ def test_the_gpu_program_launches_the_kernel_on_a_second_stream_each_layer():
     launched = calls(ahead)
     assert len(launched) == 2 and all('_xla_stream_annotation = "1"' in line for line in launched)
     assert calls(None) == []
+
+
+def test_a_drafter_pass_reading_ahead_equals_the_pass_without(monkeypatch):
+    """The drafter's block layers take the forward's read-ahead (`kernels.prefetch_fn`, here the interpreted
+    kernel for any implementation): the draft logits and the committed cache equal the pass without, and the
+    kernel ran once a drafter layer."""
+    from test_dflash import make_pair
+
+    from ddtree_jax.models import drafter_forward
+
+    drafter, target = make_pair()
+    launches = []
+    rows, prefetch_fn = kernels.l2_prefetch_rows, kernels.prefetch_fn
+    monkeypatch.setattr(kernels, "l2_prefetch_rows", lambda *a, **k: launches.append(k) or rows(*a, **k))
+    config = kernels.L2Prefetch(wo=1.0, programs=3, block_rows=4, cols=64)
+    taps = jax.random.normal(jax.random.key(1), (2, 4, drafter.config.num_features))
+    positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    args = (taps, positions, jnp.array([4, 2], jnp.int32), jnp.array([3, 5], jnp.int32), jnp.array([4, 2], jnp.int32))
+
+    def draft():
+        return drafter_forward(drafter, target, init_cache(2, 2, 1, 20, 8, jnp.float32), *args, matmul_impl="xla")
+
+    without = draft()
+    monkeypatch.setattr(kernels, "prefetch_fn", lambda impl, mesh=None: prefetch_fn("interpret", mesh, config))
+    jax.clear_caches()  # the jitted pass is traced again, now with the read-ahead
+    with_ahead = draft()
+    for a, b in zip(jax.tree.leaves(with_ahead), jax.tree.leaves(without), strict=True):
+        np.testing.assert_array_equal(a, b)
+    jax.clear_caches()  # no later test gets the pass traced with the patched dispatch
+    assert [k["tiles"] for k in launches] == [4] * drafter.config.num_hidden_layers
