@@ -323,9 +323,9 @@ def prefetch_fn(impl: str, mesh: Mesh | None = None, config: L2Prefetch | None =
     ``w`` into L2 once ``after`` is computed, and ``tie(x)`` returns ``x`` (the same values, a signed zero
     aside) computed only once the kernel is done: the product that takes a tied input finds those weights in
     L2. On a GPU the kernel runs on a second stream, beside the launches between ``after`` and the tie;
-    ``"interpret"`` runs it in the Pallas interpreter (tests). ``config``: default `L2_PREFETCH`'s entry for
-    the device under ``auto`` (none elsewhere); ``"pallas"`` and ``"interpret"`` read nothing ahead without
-    one."""
+    ``"interpret"`` runs it in the Pallas interpreter (tests). ``config`` is read by ``"pallas"`` and
+    ``"interpret"`` (nothing read ahead without one); ``auto`` ignores it and takes `L2_PREFETCH`'s entry for
+    the local GPU (none off a GPU)."""
     impl = check_impl("matmul_impl", impl)
     if impl == "xla" or mesh is not None:
         return None

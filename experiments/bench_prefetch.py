@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 

@@ -241,6 +241,19 @@ def within_scale(got: dict, want: dict, tolerance: float = 0.05) -> dict:
 FORWARD_CASES = [(1, 1, 40), (3, 1, 40), (1, 16, 40), (1, 64, 40), (1, 65, 1000)]
 
 
+def forward_inputs(cfg, layers: int, seed: int, batch: int, num: int, context: int):
+    """``(tokens, positions, mask, cache)`` of a target forward of ``num`` new tokens a request (a causal mask)
+    over random bf16 caches of ``layers`` layers holding ``context`` tokens, drawn from ``seed``."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    slots = (layers, batch, cfg.num_key_value_heads, context + num, cfg.head_dim)
+    k, v = (jax.random.normal(key, slots, jnp.bfloat16) for key in keys[:2])
+    cache = KVCache(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
+    tokens = jax.random.randint(keys[2], (batch, num), 0, cfg.vocab_size)
+    positions = context + jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((num, num), bool)), (batch, num, num))
+    return tokens, positions, mask, cache
+
+
 def check_forward(shapes=None, cases=FORWARD_CASES, layers=4):
     """Target forwards with ``"auto"`` matmuls and attention against ``"xla"`` (see the module docstring);
     ``shapes``: the target's config fields (default Qwen3-8B's, ``layers`` of them)."""
@@ -249,16 +262,10 @@ def check_forward(shapes=None, cases=FORWARD_CASES, layers=4):
     cfg = target.config
     records = []
     for seed, (batch, num, context) in enumerate(cases):
-        keys = jax.random.split(jax.random.key(seed), 3)
-        slots = (layers, batch, cfg.num_key_value_heads, context + num, cfg.head_dim)
-        k, v = (jax.random.normal(key, slots, jnp.bfloat16) for key in keys[:2])
-        cache = KVCache(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
-        tokens = jax.random.randint(keys[2], (batch, num), 0, cfg.vocab_size)
-        positions = context + jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((num, num), bool)), (batch, num, num))
+        args = forward_inputs(cfg, layers, seed, batch, num, context)
         record = dict(part="forward", impl="auto", batch=batch, rows=num, context=context, layers=layers)
 
-        def check(args=(tokens, positions, mask, cache), context=context):
+        def check(args=args, context=context):
             def outputs(impl):
                 logits, taps, new = target_forward(target, *args, tap_layers=(0, layers - 1), matmul_impl=impl,
                                                    attention_impl=impl)
@@ -310,7 +317,8 @@ def check_l2_prefetch(interpret=False, cases=L2_PREFETCH_CASES, forwards=L2_PREF
     records = []
     for seed, (rows, cols, fraction, programs, dtype) in enumerate(cases):
         w = jax.random.normal(jax.random.key(seed), (rows, cols), dtype)
-        launch = dict(tiles=int(fraction * tile_count(w, block_rows=64, cols=512)), programs=programs)
+        tiling = dict(block_rows=config.block_rows, cols=config.cols)
+        launch = dict(tiles=int(fraction * tile_count(w, **tiling)), programs=programs, **tiling)
 
         def check(w=w, launch=launch):
             same = bool(np.array_equal(l2_prefetch(w, w[:1], **launch, interpret=interpret),
@@ -323,13 +331,7 @@ def check_l2_prefetch(interpret=False, cases=L2_PREFETCH_CASES, forwards=L2_PREF
     cfg = target.config
     ahead = kernels.prefetch_fn("interpret" if interpret else "pallas", config=config)
     for seed, (num, context) in enumerate(forwards):
-        keys = jax.random.split(jax.random.key(seed), 3)
-        slots = (layers, 1, cfg.num_key_value_heads, context + num, cfg.head_dim)
-        cache = KVCache(*(jax.random.normal(key, slots, jnp.bfloat16) for key in keys[:2]),
-                        lengths=jnp.full((1,), context, jnp.int32))
-        tokens = jax.random.randint(keys[2], (1, num), 0, cfg.vocab_size)
-        positions = context + jnp.arange(num, dtype=jnp.int32)[None]
-        mask = jnp.tril(jnp.ones((num, num), bool))[None]
+        tokens, positions, mask, cache = forward_inputs(cfg, layers, seed, 1, num, context)
 
         @functools.partial(jax.jit, static_argnums=0)
         def forward(prefetch, cache=cache, tokens=tokens, positions=positions, mask=mask):

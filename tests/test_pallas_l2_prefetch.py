@@ -122,14 +122,19 @@ def test_a_forward_reading_ahead_equals_the_forward_without(fraction):
     assert maxima[0] > maxima[1]
 
 
+def recorded_launches(monkeypatch) -> list[dict]:
+    """The keywords of every launch the dispatch makes of the kernel from now on (it still runs)."""
+    launches, rows = [], kernels.l2_prefetch_rows
+    monkeypatch.setattr(kernels, "l2_prefetch_rows", lambda *a, **k: launches.append(k) or rows(*a, **k))
+    return launches
+
+
 def test_check_kernels_part_through_the_interpreter(monkeypatch):
     """`experiments/check_kernels.py`'s l2_prefetch part on small cases and a small forward, interpreted: every
     case passes, and the forwards launched the kernel (two layers, two forwards)."""
     from experiments import check_kernels
 
-    launches = []
-    rows = kernels.l2_prefetch_rows
-    monkeypatch.setattr(kernels, "l2_prefetch_rows", lambda *a, **k: launches.append(k) or rows(*a, **k))
+    launches = recorded_launches(monkeypatch)
     shapes = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)
     records = check_kernels.check_l2_prefetch(
@@ -170,9 +175,8 @@ def test_a_drafter_pass_reading_ahead_equals_the_pass_without(monkeypatch):
     from ddtree_jax.models import drafter_forward
 
     drafter, target = make_pair()
-    launches = []
-    rows, prefetch_fn = kernels.l2_prefetch_rows, kernels.prefetch_fn
-    monkeypatch.setattr(kernels, "l2_prefetch_rows", lambda *a, **k: launches.append(k) or rows(*a, **k))
+    prefetch_fn = kernels.prefetch_fn
+    launches = recorded_launches(monkeypatch)
     config = kernels.L2Prefetch(wo=1.0, programs=3, block_rows=4, cols=64)
     taps = jax.random.normal(jax.random.key(1), (2, 4, drafter.config.num_features))
     positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
