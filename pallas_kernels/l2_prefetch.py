@@ -31,24 +31,35 @@ def l2_prefetch(w, after=None, *, tiles: int, programs: int, block_rows: int = 6
     """`l2_prefetch_reference` by the Pallas kernel (Triton lowering); same arguments and result, plus
     ``after`` (any array, not read: the kernel's launch waits for it), ``num_warps`` and ``interpret``
     (run in the Pallas interpreter). ``block_rows`` and ``cols`` must be powers of two."""
-    check_operands(w, tiles=tiles, programs=programs, block_rows=block_rows, cols=cols)
-    if not (is_pow2(block_rows) and is_pow2(cols)):
-        raise ValueError(f"the l2_prefetch kernel needs powers of two for block_rows and cols, got {block_rows}, "
-                         f"{cols}")
+    _check_launch(w, tiles, programs, block_rows, cols)
     after = jnp.zeros((), jnp.int32) if after is None else after
     return _l2_prefetch(w, after, tiles=tiles, programs=programs, block_rows=block_rows, cols=cols,
                         num_warps=int(num_warps), interpret=bool(interpret))
 
 
+def l2_prefetch_rows(w_RC, after, *, tiles: int, programs: int, block_rows: int, num_warps: int, interpret: bool):
+    """`l2_prefetch` of a matrix already viewed as rows of ``cols`` (``[R, cols]``), not jitted: the launch is a
+    single custom call in the caller's program, for a caller that sets attributes on it (``ddtree_jax.kernels``
+    sets the stream)."""
+    _check_launch(w_RC, tiles, programs, block_rows, w_RC.shape[-1])
+    return _launch(w_RC, after, tiles=tiles, programs=programs, block_rows=block_rows, num_warps=num_warps,
+                   interpret=interpret)
+
+
+def _check_launch(w, tiles, programs, block_rows, cols) -> None:
+    check_operands(w, tiles=tiles, programs=programs, block_rows=block_rows, cols=cols)
+    if not (is_pow2(block_rows) and is_pow2(cols)):
+        raise ValueError(f"the l2_prefetch kernel needs powers of two for block_rows and cols, got {block_rows}, "
+                         f"{cols}")
+
+
 @functools.partial(jax.jit, static_argnames=("tiles", "programs", "block_rows", "cols", "num_warps", "interpret"))
 def _l2_prefetch(w, after, *, tiles, programs, block_rows, cols, num_warps, interpret):
-    return l2_prefetch_rows(w.reshape(-1, cols), after, tiles=tiles, programs=programs, block_rows=block_rows,
-                            num_warps=num_warps, interpret=interpret)
+    return _launch(w.reshape(-1, cols), after, tiles=tiles, programs=programs, block_rows=block_rows,
+                   num_warps=num_warps, interpret=interpret)
 
 
-def l2_prefetch_rows(w_RC, after, *, tiles: int, programs: int, block_rows: int, num_warps: int, interpret: bool):
-    """The kernel's launch alone, on the matrix already viewed as rows of ``cols`` (``[R, cols]``), no checks: a
-    single custom call, for a caller that sets attributes on it (``ddtree_jax.kernels`` sets the stream)."""
+def _launch(w_RC, after, *, tiles, programs, block_rows, num_warps, interpret):
     return pl.pallas_call(
         functools.partial(_kernel, tiles=tiles, block_rows=block_rows), grid=(programs,),
         in_specs=[pl.BlockSpec(w_RC.shape, lambda p: (0, 0)),

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ddtree_jax import kernels
 from ddtree_jax.models import Qwen3Config, init_cache, init_target, qwen3
 from ddtree_jax.models import layers as L
-from pallas_kernels.l2_prefetch import _l2_prefetch, l2_prefetch
+from pallas_kernels.l2_prefetch import _l2_prefetch, l2_prefetch, l2_prefetch_rows
 from pallas_kernels.l2_prefetch_reference import l2_prefetch_reference, tile_count
 from pallas_kernels.lowering import verified_triton_modules
 
@@ -193,3 +193,15 @@ def test_a_drafter_pass_reading_ahead_equals_the_pass_without(monkeypatch):
         np.testing.assert_array_equal(a, b)
     jax.clear_caches()  # no later test gets the pass traced with the patched dispatch
     assert [k["tiles"] for k in launches] == [4] * drafter.config.num_hidden_layers
+
+
+def test_the_launch_on_rows_checks_its_operands_and_equals_the_reference():
+    """`l2_prefetch_rows` (the dispatch's launch) names bad operands like `l2_prefetch` and reads the same tiles."""
+    w = jax.random.normal(jax.random.key(3), (16, 64), jnp.float32)
+    launch = dict(tiles=6, programs=4, block_rows=2, num_warps=4)
+    np.testing.assert_array_equal(l2_prefetch_rows(w, w[:1], **launch, interpret=True),
+                                  l2_prefetch_reference(w, tiles=6, programs=4, block_rows=2, cols=64))
+    with pytest.raises(ValueError, match=r"tiles must be an int in \[0, 8\]"):
+        l2_prefetch_rows(w, w[:1], **(launch | dict(tiles=9)), interpret=True)
+    with pytest.raises(ValueError, match="powers of two"):
+        l2_prefetch_rows(w[:, :48], w[:1], **(launch | dict(tiles=1)), interpret=True)
