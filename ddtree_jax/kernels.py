@@ -38,9 +38,6 @@ Every switch (``attention_impl``, ``matmul_impl``, ``sampler_impl``, ``build_imp
                 1.4-2.1% less on an H100); the q/k/v product is a split-K
                 whose partials go to the norm + RoPE + write kernel
                 (`partials_product`, `QKV_PARTIALS`)
-  L2 prefetch   none: `L2_PREFETCH` is empty until the kernel that reads  none
-                the attention output matrix into L2 on a second stream
-                (`prefetch_fn`) is timed in the rounds
   sampler       pallas without a mesh; xla under a mesh (XLA partitions    xla
                 the jnp walk; the kernel is not wrapped in ``shard_map``)
   ============  =======================================================  =========
@@ -63,13 +60,11 @@ tables of ``pallas_kernels/configs.py``, keyed by the device's compute capabilit
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -80,8 +75,6 @@ from pallas_kernels import configs
 from pallas_kernels.kv_write import kernel_supports as kv_write_supports
 from pallas_kernels.kv_write import kv_write
 from pallas_kernels.kv_write_reference import kv_write_reference
-from pallas_kernels.l2_prefetch import l2_prefetch_rows
-from pallas_kernels.l2_prefetch_reference import tile_count
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_reference import matmul_reference, rms_norm, split_partials
 from pallas_kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_write
@@ -290,69 +283,6 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
         return (y_MN, None) if then_norm_N is not None or with_partials else y_MN
 
     return product
-
-
-@dataclasses.dataclass(frozen=True)
-class L2Prefetch:
-    """Which weights the `l2_prefetch` kernel reads into L2 ahead of their products, and its launch.
-
-    ``wo``: the fraction of a layer's attention output matrix read once the layer's q/k/v product is done,
-    while its norms, RoPE, cache write and attention run. ``programs``, ``block_rows``, ``cols``, ``num_warps``:
-    the kernel's (`pallas_kernels.l2_prefetch`)."""
-
-    wo: float = 0.0
-    programs: int = 64
-    block_rows: int = 64
-    cols: int = 512
-    num_warps: int = 8
-
-    def __post_init__(self):
-        if not 0.0 <= self.wo <= 1.0:
-            raise ValueError(f"L2Prefetch.wo must be a fraction in [0, 1], got {self.wo!r}")
-        configs.check_fields(self, positive=("programs", "block_rows", "cols"), warps=("num_warps",))
-
-
-# Devices (``auto`` without a mesh) whose forwards read weights into L2 ahead of their products, on a second
-# stream (`prefetch_fn`).
-L2_PREFETCH: dict[tuple[int, int], L2Prefetch] = {}
-
-
-def prefetch_fn(impl: str, mesh: Mesh | None = None, config: L2Prefetch | None = None):
-    """``ahead(w, after, *, matrix) -> tie`` for the products of ``impl`` (a ``matmul_impl``), or ``None`` where
-    nothing is read ahead: the `l2_prefetch` kernel reads the first ``getattr(config, matrix)`` of the weight
-    ``w`` into L2 once ``after`` is computed, and ``tie(x)`` returns ``x`` (the same values, a signed zero
-    aside) computed only once the kernel is done: the product that takes a tied input finds those weights in
-    L2. On a GPU the kernel runs on a second stream, beside the launches between ``after`` and the tie;
-    ``"interpret"`` runs it in the Pallas interpreter (tests). ``config`` is read by ``"pallas"`` and
-    ``"interpret"`` (nothing read ahead without one); ``auto`` ignores it and takes `L2_PREFETCH`'s entry for
-    the local GPU (none off a GPU)."""
-    impl = check_impl("matmul_impl", impl)
-    if impl == "xla" or mesh is not None:
-        return None
-    if impl == "auto":
-        config = L2_PREFETCH.get(configs.device_capability()) if pallas_gpu() else None
-    if config is None:
-        return None
-    interpret = impl == "interpret"
-
-    def ahead(w, after, *, matrix: str):
-        tiles = int(getattr(config, matrix) * tile_count(w, block_rows=config.block_rows, cols=config.cols))
-        if tiles == 0 or w.size % (config.block_rows * config.cols):
-            return lambda x: x
-        launch = dict(tiles=tiles, programs=config.programs, block_rows=config.block_rows, num_warps=config.num_warps)
-        w_RC = w.reshape(-1, config.cols)
-        if interpret:
-            maxima = l2_prefetch_rows(w_RC, after, **launch, interpret=True)
-        else:
-            # On the custom call itself: XLA wraps an annotated instruction in an async pair on that stream.
-            with set_xla_metadata(_xla_stream_annotation="1"):
-                maxima = l2_prefetch_rows(w_RC, after, **launch, interpret=False)
-        # A use of the kernel's result that XLA keeps (an unused one, even through an optimization barrier,
-        # is removed with the kernel): program 0 reads the first tile, so its maximum is finite for finite w.
-        zero = 0 * maxima[0]
-        return lambda x: x + zero.astype(x.dtype)
-
-    return ahead
 
 
 def rows_padded(product, min_rows: int):

@@ -49,11 +49,6 @@ device, over shapes too large for the CPU.
   and depths whose top token has probability 1, so that entries of different depths tie), at budgets
   16 to 64 with the launch the library uses and with other chunks and warps, and the wide build
   (``pallas_kernels.tree_build_wide``) at budgets 128 to 512: identical nodes required.
-- ``l2_prefetch``: the kernel that reads weights into L2 (``pallas_kernels.l2_prefetch``) against its reference
-  on Qwen3-8B's matrices, whole and in part, 1 to 132 programs: identical maxima; and target forwards (two
-  Qwen3-8B layers, one and 64 rows) with the kernel on a second stream ahead of each attention output
-  product (``kernels.prefetch_fn("pallas")``, its result tied to the product's input) against the same
-  forwards without it: identical logits and cache entries.
 - ``top_k``: the radix-selection top-k (``pallas_kernels.top_k``) against ``lax.top_k``
   (`top_k_reference`) over rows of 151,936 and 32,768 draft log-probabilities, ``k`` from 4 to 1,024,
   one draft (15 rows) and eight (120), with duplicated values, ``-inf`` and ``-0.0``: identical values
@@ -84,16 +79,12 @@ from ddtree_jax.models import (
     drafter_forward,
     init_drafter,
     init_target,
-    qwen3,
     target_forward,
 )
-from ddtree_jax.models import layers as layers_lib
 from ddtree_jax.verify import verify_from_coins
 from experiments.bench_kernels import compare_results, fused_sampler, sampling_inputs
 from pallas_kernels.configs import tree_attention_config
 from pallas_kernels.kv_write_reference import kv_write_reference
-from pallas_kernels.l2_prefetch import l2_prefetch
-from pallas_kernels.l2_prefetch_reference import l2_prefetch_reference, tile_count
 from pallas_kernels.matmul_mgpu import matmul_mgpu
 from pallas_kernels.matmul_reference import matmul_reference
 from pallas_kernels.qk_norm_rope_reference import (
@@ -241,19 +232,6 @@ def within_scale(got: dict, want: dict, tolerance: float = 0.05) -> dict:
 FORWARD_CASES = [(1, 1, 40), (3, 1, 40), (1, 16, 40), (1, 64, 40), (1, 65, 1000)]
 
 
-def forward_inputs(cfg, layers: int, seed: int, batch: int, num: int, context: int):
-    """``(tokens, positions, mask, cache)`` of a target forward of ``num`` new tokens a request (a causal mask)
-    over random bf16 caches of ``layers`` layers holding ``context`` tokens, drawn from ``seed``."""
-    keys = jax.random.split(jax.random.key(seed), 3)
-    slots = (layers, batch, cfg.num_key_value_heads, context + num, cfg.head_dim)
-    k, v = (jax.random.normal(key, slots, jnp.bfloat16) for key in keys[:2])
-    cache = KVCache(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
-    tokens = jax.random.randint(keys[2], (batch, num), 0, cfg.vocab_size)
-    positions = context + jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((num, num), bool)), (batch, num, num))
-    return tokens, positions, mask, cache
-
-
 def check_forward(shapes=None, cases=FORWARD_CASES, layers=4):
     """Target forwards with ``"auto"`` matmuls and attention against ``"xla"`` (see the module docstring);
     ``shapes``: the target's config fields (default Qwen3-8B's, ``layers`` of them)."""
@@ -262,10 +240,16 @@ def check_forward(shapes=None, cases=FORWARD_CASES, layers=4):
     cfg = target.config
     records = []
     for seed, (batch, num, context) in enumerate(cases):
-        args = forward_inputs(cfg, layers, seed, batch, num, context)
+        keys = jax.random.split(jax.random.key(seed), 3)
+        slots = (layers, batch, cfg.num_key_value_heads, context + num, cfg.head_dim)
+        k, v = (jax.random.normal(key, slots, jnp.bfloat16) for key in keys[:2])
+        cache = KVCache(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
+        tokens = jax.random.randint(keys[2], (batch, num), 0, cfg.vocab_size)
+        positions = context + jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((num, num), bool)), (batch, num, num))
         record = dict(part="forward", impl="auto", batch=batch, rows=num, context=context, layers=layers)
 
-        def check(args=args, context=context):
+        def check(args=(tokens, positions, mask, cache), context=context):
             def outputs(impl):
                 logits, taps, new = target_forward(target, *args, tap_layers=(0, layers - 1), matmul_impl=impl,
                                                    attention_impl=impl)
@@ -297,55 +281,6 @@ def check_residual_norm(interpret=False, cases=RESIDUAL_NORM_CASES):
             return within_scale(dict(x=got[0], normed=got[1]), dict(x=want[0], normed=want[1]), tolerance=0.01)
 
         records.append(_run_case(dict(part="residual_norm", splits=splits, rows=rows, cols=cols, dtype=dtype), check))
-    return records
-
-
-# (matrix rows, columns, fraction of its tiles read, programs, dtype) of the l2_prefetch kernel
-L2_PREFETCH_CASES = [(4096, 4096, 1.0, 64, "bfloat16"), (4096, 6144, 0.3, 64, "bfloat16"),
-                     (4096, 24576, 0.05, 132, "bfloat16"), (12288, 4096, 0.5, 1, "bfloat16"),
-                     (512, 512, 1.0, 7, "float32")]
-# (rows of a forward, its context) with and without the L2 prefetch
-L2_PREFETCH_FORWARDS = [(1, 1024), (64, 1024)]
-L2_PREFETCH_CONFIG = kernels.L2Prefetch(wo=1.0)
-
-
-def check_l2_prefetch(interpret=False, cases=L2_PREFETCH_CASES, forwards=L2_PREFETCH_FORWARDS, shapes=None, layers=2,
-                      config=L2_PREFETCH_CONFIG):
-    """The L2 prefetch kernel (compiled, or ``interpret``) against its reference, and target forwards (``shapes``:
-    the target's config fields, default Qwen3-8B's, ``layers`` of them) reading each attention output matrix
-    ahead by ``config`` against the same forwards without (see the module docstring)."""
-    records = []
-    for seed, (rows, cols, fraction, programs, dtype) in enumerate(cases):
-        w = jax.random.normal(jax.random.key(seed), (rows, cols), dtype)
-        tiling = dict(block_rows=config.block_rows, cols=config.cols)
-        launch = dict(tiles=int(fraction * tile_count(w, **tiling)), programs=programs, **tiling)
-
-        def check(w=w, launch=launch):
-            same = bool(np.array_equal(l2_prefetch(w, w[:1], **launch, interpret=interpret),
-                                       l2_prefetch_reference(w, **launch)))
-            return dict(identical=same, ok=same)
-
-        records.append(_run_case(dict(part="l2_prefetch", shape=[rows, cols], dtype=dtype, **launch), check))
-    fields = dict(SHAPES["qwen3-8b"]["target"] if shapes is None else shapes, num_hidden_layers=layers)
-    target = init_target(Qwen3Config(**fields), jax.random.key(0), jnp.bfloat16)
-    cfg = target.config
-    ahead = kernels.prefetch_fn("interpret" if interpret else "pallas", config=config)
-    for seed, (num, context) in enumerate(forwards):
-        tokens, positions, mask, cache = forward_inputs(cfg, layers, seed, 1, num, context)
-
-        @functools.partial(jax.jit, static_argnums=0)
-        def forward(prefetch, cache=cache, tokens=tokens, positions=positions, mask=mask):
-            impl = "xla" if interpret else "auto"  # the library's products and attention around the kernel
-            attend = layers_lib.cached_attend(mask, cfg.head_dim ** -0.5, impl)
-            logits, _, new = qwen3.run_layers(target, tokens, positions, attend, cache, (), None,
-                                              kernels.matmul_fn(impl), prefetch=prefetch)
-            return logits, new.k, new.v
-
-        def check(forward=forward):
-            same = all(bool(np.array_equal(a, b)) for a, b in zip(forward(ahead), forward(None), strict=True))
-            return dict(identical=same, ok=same)
-
-        records.append(_run_case(dict(part="l2_prefetch_forward", rows=num, context=context, layers=layers), check))
     return records
 
 
@@ -671,7 +606,7 @@ def _check_attention_backend(record, args, scale, ref, backend):
 
 BACKENDS = ("triton", "triton_by_length", "mosaic")
 PARTS = ("attention", "sampling", "matmul", "matmul_auto", "matmul_mosaic", "forward_auto", "drafter_auto", "rope",
-         "rope_write", "kv_write", "residual_norm", "l2_prefetch", "tree_build", "top_k")
+         "rope_write", "kv_write", "residual_norm", "tree_build", "top_k")
 
 
 def main(argv=None):
@@ -688,8 +623,7 @@ def main(argv=None):
                   matmul_auto=functools.partial(check_matmul, impl="auto"), matmul_mosaic=check_matmul_mosaic,
                   forward_auto=check_forward,
                   drafter_auto=check_drafter, rope=check_rope, rope_write=check_rope_write, kv_write=check_kv_write,
-                  residual_norm=check_residual_norm, l2_prefetch=check_l2_prefetch, tree_build=check_tree_build,
-                  top_k=check_top_k)
+                  residual_norm=check_residual_norm, tree_build=check_tree_build, top_k=check_top_k)
     results = {part: checks[part]() for part in parts}
     path = Path(args.out) / "check_kernels.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,6 @@
 - ``tree_nodes`` (``tree_build``): the DDTree beam and best-first order of each request in one
   program, from each depth's top-k; reference ``tree_nodes_reference``. ``tree_nodes_wide``
   (``tree_build_wide``): the same for large budgets, a launch of many programs a depth.
-- ``l2_prefetch``: part of a weight matrix read into the L2 cache, for a launch on a second stream ahead of
-  the product that reads it; reference ``l2_prefetch_reference`` (the maxima the reads return).
 - ``top_k``: the exact top-k of long rows (the draft's vocabulary) by radix selection; reference
   ``top_k_reference`` (``lax.top_k``).
 
@@ -30,8 +28,6 @@ This package imports nothing from ``ddtree_jax``: the library's dispatch module
 from pallas_kernels.configs import MatmulConfig, TreeAttentionConfig, tree_attention_config
 from pallas_kernels.kv_write import kv_write
 from pallas_kernels.kv_write_reference import kv_write_reference
-from pallas_kernels.l2_prefetch import l2_prefetch
-from pallas_kernels.l2_prefetch_reference import l2_prefetch_reference
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matmul_mgpu import matmul_mgpu
 from pallas_kernels.matmul_reference import matmul_reference
@@ -48,9 +44,8 @@ from pallas_kernels.tree_build_reference import tree_nodes_reference
 from pallas_kernels.tree_build_wide import tree_nodes_wide
 from pallas_kernels.tree_sampling import SamplerConfig, tree_sample, tree_sample_reference
 
-__all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "kv_write", "kv_write_reference", "l2_prefetch",
-           "l2_prefetch_reference", "matmul", "matmul_mgpu", "matmul_reference", "qk_norm_rope",
-           "qk_norm_rope_reference", "qk_norm_rope_write", "qk_norm_rope_write_reference", "residual_norm",
-           "residual_norm_reference", "top_k", "top_k_reference", "tree_attention", "tree_attention_config",
-           "tree_attention_reference", "tree_nodes", "tree_nodes_reference", "tree_nodes_wide", "tree_sample",
-           "tree_sample_reference"]
+__all__ = ["MatmulConfig", "SamplerConfig", "TreeAttentionConfig", "kv_write", "kv_write_reference", "matmul",
+           "matmul_mgpu", "matmul_reference", "qk_norm_rope", "qk_norm_rope_reference", "qk_norm_rope_write",
+           "qk_norm_rope_write_reference", "residual_norm", "residual_norm_reference", "top_k", "top_k_reference",
+           "tree_attention", "tree_attention_config", "tree_attention_reference", "tree_nodes",
+           "tree_nodes_reference", "tree_nodes_wide", "tree_sample", "tree_sample_reference"]

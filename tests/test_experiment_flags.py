@@ -76,7 +76,6 @@ BAD = [
     ("bench_models", ["--variants", "default,fastest"], "--variants"),
     ("bench_tree_build", ["--budgets", ""], "--budgets"),
     ("bench_attention_merge", ["--budgets", "0"], "--budgets"),
-    ("bench_prefetch", ["--budgets", "16,x"], "--budgets"),
     ("bench_tp", ["--tps", "1,two"], "--tps"),
     ("bench_tp", ["--shapes", "qwen3-9b"], "--shapes"),
     ("bench_moe", ["--budgets", "0"], "--budgets"),

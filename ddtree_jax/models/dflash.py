@@ -160,14 +160,12 @@ def _block_tokens(cfg: DFlashConfig, root_tokens_B):
     return jnp.concatenate([root_tokens_B[:, None].astype(jnp.int32), masks_BL], axis=1)
 
 
-def _run_block(drafter, target, feat_BCD, block_tokens_BQ, positions_BX, attend, state, matmul=matmul_reference,
-               prefetch=None):
+def _run_block(drafter, target, feat_BCD, block_tokens_BQ, positions_BX, attend, state, matmul=matmul_reference):
     """The block through the drafter's layers, the context features ``feat [B, C, D]`` joining every
-    layer's keys and values as the first ``C`` of its ``X = C + Q`` attention rows (`L.run_decoder`, with
-    ``matmul`` and ``prefetch``)."""
+    layer's keys and values as the first ``C`` of its ``X = C + Q`` attention rows (`L.run_decoder`)."""
     x_BQD = target.params.embed[block_tokens_BQ].astype(drafter.dtype)
     x_BQD, _, state = L.run_decoder(drafter.params.layers, L.layer_shape(drafter.config), x_BQD, positions_BX, attend,
-                                    state, matmul=matmul, context_BCD=feat_BCD.astype(drafter.dtype), prefetch=prefetch)
+                                    state, matmul=matmul, context_BCD=feat_BCD.astype(drafter.dtype))
     return x_BQD, state
 
 
@@ -245,8 +243,7 @@ def _drafter_forward(drafter, target, cache, ctx_feats_BCF, ctx_positions_BC, ct
                                   jnp.ones((batch, cfg.block_size), bool)], axis=1)
     mask_BQX = jnp.broadcast_to(visible_BX[:, None, :], (batch, cfg.block_size, visible_BX.shape[1]))
     attend = L.cached_attend(mask_BQX, cfg.head_dim ** -0.5, attention_impl, mesh, split_heads=False)
-    hidden_BQD, cache = _run_block(drafter, target, feat_BCD, block_tokens_BQ, positions_BX, attend, cache, matmul,
-                                   kernels.prefetch_fn(matmul_impl, mesh))
+    hidden_BQD, cache = _run_block(drafter, target, feat_BCD, block_tokens_BQ, positions_BX, attend, cache, matmul)
     lengths_B = jnp.minimum(cache.lengths + ctx_count_B.astype(jnp.int32), cache.max_len)
     return drafter_head(drafter, target, hidden_BQD[:, 1:], matmul), KVCache(k=cache.k, v=cache.v, lengths=lengths_B)
 

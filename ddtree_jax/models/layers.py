@@ -197,7 +197,7 @@ def packed_attend(mask_BNM, row_M, slot_M, scale, impl: str = "xla", mesh=None):
 
 
 def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, tap_layers=(),
-                matmul=matmul_reference, mlp=dense_mlp, context_BCD=None, prefetch=None):
+                matmul=matmul_reference, mlp=dense_mlp, context_BCD=None):
     """Run decoder layers on ``x [B, N, D]``; only the attention and the MLP differ between callers.
 
     ``attend(i, inputs, state) -> (out_BNHD, state)`` does layer i's attention from its `HeadInputs`
@@ -208,9 +208,7 @@ def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, t
     `layer_output`). ``context [B, C, D]``: rows
     whose keys and values join every layer's (the DFlash drafter's context features, the same at every
     layer): they come first in the inputs ``attend`` gets (`attention_inputs`; ``positions [B, C + N]``
-    covers them first), which returns the outputs of the last ``N`` rows alone. ``prefetch``: a
-    `kernels.prefetch_fn`, which reads each layer's attention output matrix into L2 once its q/k/v product
-    is done, the attention's output tied to it (the same values). Returns the final hidden
+    covers them first), which returns the outputs of the last ``N`` rows alone. Returns the final hidden
     ``[B, N, D]`` (before the final norm), the list of hidden states after each layer id in
     ``tap_layers`` (in that order) and the state.
     """
@@ -220,12 +218,7 @@ def run_decoder(layers, shape: LayerShape, x_BND, positions_BN, attend, state, t
         then_norm_D = layers[i + 1].input_norm if i + 1 < len(layers) else None
         with jax.named_scope(f"layer_{i}"):
             inputs = attention_inputs(layer, x_BND, rope_BNF, shape, matmul, context_BCD, normed_BND)
-            if prefetch is not None:
-                tie_wo = prefetch(layer.wo, inputs.qkv_BNC if inputs.partials_SRC is None else inputs.partials_SRC,
-                                  matrix="wo")
             attn_BNHD, state = attend(i, inputs, state)
-            if prefetch is not None:
-                attn_BNHD = tie_wo(attn_BNHD)
             x_BND, normed_BND = layer_output(layer, x_BND, attn_BNHD, shape, matmul, mlp, then_norm_D)
         taps[i] = x_BND
     return x_BND, [taps[i] for i in tap_layers], state

@@ -148,15 +148,15 @@ def project_vocab(target: Target, h_BND, matmul=matmul_reference):
 
 
 def run_layers(target: Target, tokens_BN, positions_BN, attend, state, tap_layers, logits_at_BK=None,
-               matmul=matmul_reference, mlp=None, prefetch=None):
+               matmul=matmul_reference, mlp=None):
     """The body of every target forward: embedding, `layers.run_decoder` (``attend``, ``state``,
-    ``matmul``, ``mlp`` and ``prefetch`` as there; ``mlp`` default `moe.decoder_mlp()`), final
+    ``matmul`` and ``mlp`` as there; ``mlp`` default `moe.decoder_mlp()`), final
     norm, taps and LM head.
     Returns ``(logits, taps_BNF, state)`` as `target_forward`."""
     cfg = target.config
     mlp = moe.decoder_mlp() if mlp is None else mlp
     x_BND, taps, state = L.run_decoder(target.params.layers, L.layer_shape(cfg), target.params.embed[tokens_BN],
-                                       positions_BN, attend, state, tap_layers, matmul, mlp, prefetch=prefetch)
+                                       positions_BN, attend, state, tap_layers, matmul, mlp)
     h_BND = rms_norm(x_BND, target.params.final_norm, cfg.rms_norm_eps)
     # As HF's hidden_states[id + 1], the last layer's tap is taken after the final norm.
     taps = [h_BND if i == cfg.num_hidden_layers - 1 else tap for i, tap in zip(tap_layers, taps)]
@@ -171,8 +171,7 @@ def _target_forward(target, tokens_BN, positions_BN, mask_BNN, cache, logits_at_
                     matmul_impl, mesh):
     attend = L.cached_attend(mask_BNN, target.config.head_dim ** -0.5, attention_impl, mesh)
     return run_layers(target, tokens_BN, positions_BN, attend, cache, tap_layers, logits_at_BK,
-                      kernels.matmul_fn(matmul_impl, mesh), moe.decoder_mlp(mesh),
-                      kernels.prefetch_fn(matmul_impl, mesh))
+                      kernels.matmul_fn(matmul_impl, mesh), moe.decoder_mlp(mesh))
 
 
 def target_forward(target: Target, tokens_BN, positions_BN, mask_BNN, cache: KVCache, *, tap_layers=(),
