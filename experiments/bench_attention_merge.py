@@ -157,7 +157,7 @@ def write_rows(out: Path, args, rows: list) -> None:
 def timed_rows(runners: dict, repeats: int, profile: bool) -> list[dict]:
     """A row a ``(variant, round)`` of ``runners``: the median of `time_interleaved`'s passes and, with
     ``profile``, the round's device time a call (``device_ms``: the traced ops of its busiest line, the main
-    stream's, summed; a kernel on a second stream overlaps it and is a line of its own) with the ops."""
+    stream's, summed; XLA's copies on streams of their own overlap it) with the ops."""
     rows = []
     for (name, label), ms in time_interleaved(runners, repeats).items():
         row = dict(variant=name, round=label, back_to_back_ms=float(np.median(ms)), all_ms=ms)
