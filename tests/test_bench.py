@@ -1,5 +1,6 @@
 """`ddtree bench` (ddtree_jax.experiments.bench) end to end on tiny shapes and the embedded pair, and its bad input."""
 
+import argparse
 import json
 import re
 
@@ -12,6 +13,38 @@ from ddtree_jax import cli, engine
 from ddtree_jax.experiments import bench, profiling
 
 PART_KEYS = {"drafter_ms", "tree_ms", "verify_forward_ms", "sampling_ms", "commit_ms"}
+
+
+def test_profile_programs_puts_the_verify_forward_over_the_decode_step(monkeypatch, tmp_path, capsys):
+    # a device's traces, made up: the decode step 4 ms (3.9 of it its forward), the round's verify 4.6 ms
+    def summary(parts):
+        return {"Stream #1": dict(ms_per_call=sum(parts.values()), kind_share={}, top_ops=[], by_neighbour_ms=0.0,
+                                  parts={k: dict(ms_per_call=v, kind_share={}) for k, v in parts.items()})}
+    traces = {"decode": summary({"verify": 3.9, "sample": 0.1}), "round": summary({"draft": 1.0, "verify": 4.6})}
+
+    class Runner:
+        def __init__(self, name):
+            self.name = name
+
+        def hlo(self):
+            return self.name
+
+    monkeypatch.setattr(profiling, "scope_parts", lambda hlo, parts: {})
+    monkeypatch.setattr(profiling, "device_op_times", lambda runner, **kw: traces[runner.name])
+    args = argparse.Namespace(profile_ops=4, hlo=False, out=tmp_path / "b.json")
+    first, second = {}, {}
+    decode_ms = bench.profile_programs(args, first, [("decode", Runner("decode")), ("round", Runner("round"))], "B4")
+    assert decode_ms == pytest.approx(4.0)
+    assert first["verify_over_decode_device"] == pytest.approx(4.6 / 4.0)
+    assert first["decode_device_ms"] == pytest.approx(4.0) and first["verify_device_ms"] == pytest.approx(4.6)
+    # a later budget's round against the decode step traced with the first
+    assert bench.profile_programs(args, second, [("round", Runner("round"))], "B8", decode_ms) == decode_ms
+    assert second["verify_over_decode_device"] == pytest.approx(1.15)
+    assert "verify forward: 4.600 ms of device time = 1.150x the decode step's 4.000 ms" in capsys.readouterr().out
+    # no decode step traced: no ratio
+    third = {}
+    assert bench.profile_programs(args, third, [("round", Runner("round"))], "B16") is None
+    assert "verify_over_decode_device" not in third and third["profiled_core_share"] == 0.0
 
 
 def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):

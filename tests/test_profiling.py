@@ -49,6 +49,8 @@ def test_summarize_by_part_looks_up_the_hlo_op_then_the_name():
     assert profiling.part_share(summary, ("verify", "sample")) == pytest.approx(0.5 / 7)
     assert profiling.part_share(profiling.summarize(EVENTS, calls=2), ("verify",)) is None
     assert profiling.part_share({}, ("verify",)) is None
+    assert profiling.part_ms(summary, ("verify", "sample")) == pytest.approx(0.5)
+    assert profiling.part_ms(summary) == pytest.approx(7.0) and profiling.part_ms({}) is None
 
 
 def test_an_event_without_a_part_takes_the_part_of_the_event_before_it():

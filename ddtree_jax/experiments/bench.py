@@ -395,6 +395,7 @@ def bench_shapes(args, emit) -> None:
                         f"round floor {round_floor:.2f} ms; " if decode_floor else "")
             print(f"batch {batch} context {context}: decode step {decode_ms:.2f} ms a call, {decode_b2b_ms:.2f} ms "
                   f"back to back ({roofline}first call {decode_first_s:.1f} s)", flush=True)
+            decode_device_ms = None  # the decode step's, traced with the first budget's round
             for budget in args.budgets:
                 rows += 1
                 print(f"  [{rows}/{total}] B={budget}: compiling and timing the parts and the round ...", flush=True)
@@ -417,7 +418,8 @@ def bench_shapes(args, emit) -> None:
                 row["core_share"] = (parts["tree_in_loop_ms"] + parts["sampling_in_loop_ms"]) / round_b2b_ms
                 if args.profile:
                     programs = [("decode", decode)] if budget == args.budgets[0] else []
-                    profile_programs(args, row, [*programs, ("round", run)], f"b{batch}_c{context}_B{budget}")
+                    decode_device_ms = profile_programs(args, row, [*programs, ("round", run)],
+                                                        f"b{batch}_c{context}_B{budget}", decode_device_ms)
                 if args.build_check and spec.build_impl != "xla":
                     xla_build = dataclasses.replace(spec, build_impl="xla")
                     row["round_xla_build_back_to_back_ms"] = back_to_back_ms(
@@ -454,28 +456,39 @@ def bench_shapes(args, emit) -> None:
                 emit(row)
 
 
-def profile_programs(args, row, programs, tag: str) -> None:
+def profile_programs(args, row, programs, tag: str, decode_device_ms: float | None = None) -> float | None:
     """``--profile``: trace each ``(name, runner)`` of ``programs`` (`round_runner`s), summed by kind and by
-    the round's step, into ``row["profile_<name>"]`` (the round's also into ``profiled_core_share``); with
-    ``--hlo`` write each one's optimized HLO next to the JSON, named after ``tag``."""
+    the round's step, into ``row["profile_<name>"]`` (the round's also into ``profiled_core_share`` and, with
+    the decode step's device time, ``decode_device_ms``, from this call's ``"decode"`` program or the argument,
+    into ``verify_device_ms`` and ``verify_over_decode_device``: the verify forward's device time over the
+    decode step's); with ``--hlo`` write each one's optimized HLO next to the JSON, named after ``tag``.
+    Returns the decode step's device time (``None`` where not traced)."""
     for name, runner in programs:
         try:  # a diagnostic: a trace that cannot be read must not cost the timed rows
             hlo = runner.hlo()
-            row[f"profile_{name}"] = profiling.device_op_times(runner, calls=3, top=args.profile_ops,
-                                                               parts=profiling.scope_parts(hlo, engine.ROUND_PARTS))
+            row[f"profile_{name}"] = summary = profiling.device_op_times(
+                runner, calls=3, top=args.profile_ops, parts=profiling.scope_parts(hlo, engine.ROUND_PARTS))
         except Exception as e:  # noqa: BLE001
             row[f"profile_{name}_error"] = repr(e)
             print(f"  profile of the {name} failed: {e!r}", flush=True)
             continue
-        print(f"  profile of the {name} ({tag}):\n" + profiling.format_summary(row[f"profile_{name}"]), flush=True)
-        share = profiling.part_share(row[f"profile_{name}"], CORE_PARTS)
+        print(f"  profile of the {name} ({tag}):\n" + profiling.format_summary(summary), flush=True)
+        if name == "decode":
+            decode_device_ms = profiling.part_ms(summary)
+        share, verify_ms = profiling.part_share(summary, CORE_PARTS), profiling.part_ms(summary, ("verify",))
         if name == "round" and share is not None:
             row["profiled_core_share"] = share
             print(f"  tree build + encoding + sampling: {100 * share:.1f}% of the round's device time", flush=True)
+        if name == "round" and verify_ms and decode_device_ms:
+            row.update(decode_device_ms=decode_device_ms, verify_device_ms=verify_ms,
+                       verify_over_decode_device=verify_ms / decode_device_ms)
+            print(f"  verify forward: {verify_ms:.3f} ms of device time = {verify_ms / decode_device_ms:.3f}x the "
+                  f"decode step's {decode_device_ms:.3f} ms", flush=True)
         if args.hlo:
             path = args.out.with_name(f"{args.out.stem}_{name}_{tag}.hlo.txt")
             path.write_text(hlo)
             print(f"  wrote {path}", flush=True)
+    return decode_device_ms
 
 
 def prefill_flops(target, batch: int, length: int) -> float:

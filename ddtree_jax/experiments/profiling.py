@@ -254,15 +254,21 @@ def pallas_kernel_names(kernels: Mapping[str, str], calls: Mapping[str, list], m
     return order
 
 
+def part_ms(summary: dict, parts: Iterable[str] | None = None) -> float | None:
+    """Ms per call that a `summarize` result (all its lines, summed by part) spent in ``parts`` (every
+    part by default); ``None`` for a summary without time or parts (the CPU's)."""
+    lines = [s["parts"] for s in summary.values() if "parts" in s]
+    if not any(p["ms_per_call"] for line in lines for p in line.values()):
+        return None
+    parts = None if parts is None else frozenset(parts)
+    return sum(p["ms_per_call"] for line in lines for part, p in line.items() if parts is None or part in parts)
+
+
 def part_share(summary: dict, parts: Iterable[str]) -> float | None:
     """The share of a `summarize` result's time (all its lines; summed by part) spent in ``parts``;
     ``None`` for a summary without time or parts (the CPU's)."""
-    lines = [s["parts"] for s in summary.values() if "parts" in s]
-    total = sum(p["ms_per_call"] for line in lines for p in line.values())
-    if not total:
-        return None
-    parts = frozenset(parts)
-    return sum(p["ms_per_call"] for line in lines for part, p in line.items() if part in parts) / total
+    total = part_ms(summary)
+    return None if total is None else part_ms(summary, parts) / total
 
 
 def format_summary(summary: dict, ops: int = 5) -> str:
