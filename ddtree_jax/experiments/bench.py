@@ -475,15 +475,16 @@ def profile_programs(args, row, programs, tag: str, decode_device_ms: float | No
         print(f"  profile of the {name} ({tag}):\n" + profiling.format_summary(summary), flush=True)
         if name == "decode":
             decode_device_ms = profiling.part_ms(summary)
-        share, verify_ms = profiling.part_share(summary, CORE_PARTS), profiling.part_ms(summary, ("verify",))
-        if name == "round" and share is not None:
-            row["profiled_core_share"] = share
-            print(f"  tree build + encoding + sampling: {100 * share:.1f}% of the round's device time", flush=True)
-        if name == "round" and verify_ms and decode_device_ms:
-            row.update(decode_device_ms=decode_device_ms, verify_device_ms=verify_ms,
-                       verify_over_decode_device=verify_ms / decode_device_ms)
-            print(f"  verify forward: {verify_ms:.3f} ms of device time = {verify_ms / decode_device_ms:.3f}x the "
-                  f"decode step's {decode_device_ms:.3f} ms", flush=True)
+        if name == "round":
+            share, verify_ms = profiling.part_share(summary, CORE_PARTS), profiling.part_ms(summary, ("verify",))
+            if share is not None:
+                row["profiled_core_share"] = share
+                print(f"  tree build + encoding + sampling: {100 * share:.1f}% of the round's device time", flush=True)
+            if verify_ms and decode_device_ms:
+                row.update(decode_device_ms=decode_device_ms, verify_device_ms=verify_ms,
+                           verify_over_decode_device=verify_ms / decode_device_ms)
+                print(f"  verify forward: {verify_ms:.3f} ms of device time = {verify_ms / decode_device_ms:.3f}x "
+                      f"the decode step's {decode_device_ms:.3f} ms", flush=True)
         if args.hlo:
             path = args.out.with_name(f"{args.out.stem}_{name}_{tag}.hlo.txt")
             path.write_text(hlo)
