@@ -100,6 +100,51 @@ def test_bench_tiny_shapes_and_embedded(tmp_path, capsys):
     assert result["meta"]["settings"]["with_expected"] is True
 
 
+def test_generate_and_prefill_parts_on_tiny_shapes(tmp_path, capsys):
+    """Part 3 times generate() per round next to the jitted round; part 4 the prefill, its FLOP rate
+    from `prefill_flops` (no roofline on a CPU)."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "tiny", "--skip-shapes", "--generate", "--prefill", "--contexts", "16,24",
+            "--budgets", "4", "--new-tokens", "5", "--repeats", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["shapes"] == [] and result["embedded"] == []
+    rows = result["generate"]
+    assert [(r["context"], r["method"], r["budget"]) for r in rows] == [
+        (c, m, b) for c in (16, 24) for m, b in (("ar", 1), ("chain", 1), ("ddtree", 4))]
+    for row in rows:
+        assert row["batch"] == 1 and 1 <= row["rounds"] <= 5
+        assert row["overhead"] == pytest.approx(row["generate_round_ms"] / row["jitted_round_ms"])
+        assert row["tokens_per_s"] > 0 and row["first_token_ms"] > 0
+    target, _ = bench.make_models("tiny")
+    prefill = result["prefill"]
+    assert [(r["batch"], r["context"]) for r in prefill] == [(1, 16), (1, 24)]
+    for row in prefill:
+        assert row["tflop"] == pytest.approx(bench.prefill_flops(target, 1, row["context"]) / 1e12)
+        assert row["tflops"] == pytest.approx(1e3 * row["tflop"] / row["prefill_ms"])
+        assert row["roofline_ms"] is None and row["over_roofline"] is None
+    assert "batch 1 context 24: prefill" in printed and "roofline n/a on a CPU" in printed
+
+
+@pytest.mark.parametrize("shapes", ["tiny", "tiny-moe"])
+def test_prefill_flops_count_the_products_a_token_goes_through(shapes):
+    target, _ = bench.make_models(shapes)
+    c = target.config
+    d, dh, hq, hkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    attention_block = d * (hq + 2 * hkv) * dh + hq * dh * d
+    per_token = 0
+    for i in range(c.num_hidden_layers):
+        if shapes == "tiny" or i in c.mlp_only_layers:
+            per_token += attention_block + 3 * d * c.intermediate_size
+        else:  # the router and the experts a token is routed to
+            per_token += attention_block + d * c.num_experts + c.num_experts_per_tok * 3 * d * c.moe_intermediate_size
+    length, batch = 24, 3
+    scores_and_values = c.num_hidden_layers * 2 * (2 * hq * dh * length * length) / 2
+    expected = batch * (2 * per_token * length + 2 * d * c.vocab_size + scores_and_values)
+    assert bench.prefill_flops(target, batch, length) == pytest.approx(expected, rel=1e-12)
+
+
 def test_rooflines_read_the_weights_and_the_kv_caches_of_the_batch_and_context():
     """The floor of a step grows with the KV cache it reads: 2 (keys, values) x batch x context x layers x
     KV heads x head_dim elements of the cache dtype, for the target and, in the round, the drafter."""
@@ -204,6 +249,7 @@ def test_tiny_shapes_make_every_knob_tiny(tmp_path):
     ("--repeats", "0", "--repeats must be >= 1"), ("--top-p", "0", "--top-p must be in"),
     ("--temperature", "-1", "--temperature must be >= 0"), ("--topk-cap", "-2", "--topk-cap must be >= 0"),
     ("--top-k", "-1", "--top-k must be >= 0"), ("--draft-temperature", "0", "--draft-temperature must be finite"),
+    ("--peak-tflops", "0", "--peak-tflops must be > 0"),
 ])
 def test_bench_rejects_bad_flags(tmp_path, flag, value, message):
     with pytest.raises(SystemExit, match=message) as exit_info:

@@ -13,7 +13,9 @@ traces the decode step and each budget's round and sums their device ops by kind
 the Pallas kernels, data movement, the rest; `ddtree_jax.experiments.profiling`) and by the round's
 step (drafter, tree build, encodings, verify forward, sampling, commit, statistics: `engine.ROUND_PARTS`).
 Part 2 (``--embedded``): tokens/s and tau of AR, chain and DDTree (each of ``--embedded-budgets``) on
-the embedded pair, with the speedup over AR measured in the same process.
+the embedded pair, with the speedup over AR measured in the same process. Part 3 (``--generate``):
+``generate()`` end to end at part 1's shapes next to the jitted round, so the host's share of a round is a
+number. Part 4 (``--prefill``): the prefill of each batch and context against its matmul-FLOP roofline.
 
 Every timing is the median of ``--repeats`` warm calls ending in ``block_until_ready``; the first
 call of the decode step and of each round (compilation included) is recorded apart. The JSON is
@@ -493,14 +495,20 @@ def profile_programs(args, row, programs, tag: str, decode_device_ms: float | No
 
 
 def prefill_flops(target, batch: int, length: int) -> float:
-    """Matmul FLOPs of a causal prefill of ``length`` tokens: 2 x the streamed weights' parameters per
-    token (the LM head for the last token only) plus the attention scores and values (half of them,
-    causal)."""
+    """Matmul FLOPs of a causal prefill of ``length`` tokens: 2 per weight of every matrix a token goes
+    through (of a MoE layer's stacked experts, the ``num_experts_per_tok`` it is routed to; the norms'
+    vectors are no products), the LM head for the last token only, plus the causal half of the
+    attention's scores and values."""
     cfg, p = target.config, target.params
-    layer_params = sum(x.size for x in jax.tree_util.tree_leaves(p.layers))
+    per_token = 0.0
+    for leaf in jax.tree_util.tree_leaves(p.layers):
+        if leaf.ndim == 2:
+            per_token += leaf.size
+        elif leaf.ndim == 3:  # experts stacked on the first axis
+            per_token += leaf.size / leaf.shape[0] * cfg.num_experts_per_tok
     head = (p.embed if p.lm_head is None else p.lm_head).size
     attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * length * length / 2
-    return batch * (2 * layer_params * length + 2 * head + attention)
+    return batch * (2 * per_token * length + 2 * head + attention)
 
 
 def bench_generate(args, emit) -> None:
@@ -508,7 +516,7 @@ def bench_generate(args, emit) -> None:
     shapes of part 1 (random weights: every round emits one token). Per batch, context (the prompt
     length) and method: the per-round wall time of ``generate`` (its rounds' time over the rounds),
     tokens/s, the time to the first streamed token (prefill and first round, warm), the jitted round
-    alone and their ratio; and the prefill against its matmul-FLOP roofline."""
+    alone and their ratio."""
     target, drafter = make_models(args.shapes, args.draft_vocab)
     impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
                  build_impl=args.build_impl)
@@ -516,14 +524,7 @@ def bench_generate(args, emit) -> None:
     for batch in args.batches:
         sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
         for context in args.contexts:
-            prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, context)).tolist()
-            prefill_ms = _prefill_ms(target, drafter, prompts, args.repeats, impls)
-            flops = prefill_flops(target, batch, context)
-            floor = ("" if jax.default_backend() == "cpu" else
-                     f" ({prefill_ms / (1e3 * flops / (args.peak_tflops * 1e12)):.2f}x its {args.peak_tflops:.0f} "
-                     f"TFLOP/s roofline)")
-            print(f"batch {batch} context {context}: prefill {prefill_ms:.2f} ms = {flops / prefill_ms / 1e9:.1f} "
-                  f"TFLOP/s{floor}", flush=True)
+            prompts = random_prompts(target, batch, context)
             for method, budget in methods:
                 run = functools.partial(engine.generate, target, drafter, prompts, method=method, budget=budget,
                                         topk_cap=args.topk_cap or None, temperature=args.temperature,
@@ -542,12 +543,37 @@ def bench_generate(args, emit) -> None:
                 row = dict(batch=batch, context=context, method=method, budget=budget, rounds=len(res.rounds),
                            generate_round_ms=generate_round_ms, jitted_round_ms=round_ms,
                            overhead=generate_round_ms / round_ms, tokens_per_s=res.tokens_per_s,
-                           first_token_ms=first_token_ms, prefill_ms=prefill_ms,
-                           prefill_tflops=flops / prefill_ms / 1e9)
+                           first_token_ms=first_token_ms)
                 emit(row)
                 print(f"  {method:>6} B={budget:<4d} generate {generate_round_ms:6.2f} ms per round vs the jitted "
                       f"round {round_ms:6.2f} ms ({row['overhead']:.3f}x) | {res.tokens_per_s:7.1f} tokens/s | "
                       f"first token {first_token_ms:.1f} ms", flush=True)
+
+
+def bench_prefill(args, emit) -> None:
+    """Part 4: the engine's prefill of a prompt of each context's length (the target's KV cache and the
+    drafter's context of every prompt token) at the shapes of part 1, per batch and context, against
+    its matmul-FLOP roofline (`prefill_flops` at ``--peak-tflops``; accelerators only)."""
+    target, drafter = make_models(args.shapes, args.draft_vocab)
+    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
+                 build_impl=args.build_impl)
+    for batch in args.batches:
+        for context in args.contexts:
+            ms = _prefill_ms(target, drafter, random_prompts(target, batch, context), args.repeats, impls)
+            flops = prefill_flops(target, batch, context)
+            roofline_ms = None if jax.default_backend() == "cpu" else 1e3 * flops / (args.peak_tflops * 1e12)
+            row = dict(batch=batch, context=context, prefill_ms=ms, tflop=flops / 1e12, tflops=flops / ms / 1e9,
+                       roofline_ms=roofline_ms, over_roofline=roofline_ms and ms / roofline_ms)
+            floor = ("roofline n/a on a CPU" if roofline_ms is None else
+                     f"{ms / roofline_ms:.2f}x its {roofline_ms:.2f} ms at {args.peak_tflops:.0f} TFLOP/s")
+            emit(row)
+            print(f"batch {batch} context {context}: prefill {ms:.2f} ms = {row['tflops']:.1f} TFLOP/s "
+                  f"({row['tflop']:.2f} TFLOP; {floor})", flush=True)
+
+
+def random_prompts(target, batch: int, context: int) -> list[list[int]]:
+    """``batch`` prompts of ``context`` random token ids (seed 0)."""
+    return np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, context)).tolist()
 
 
 def _prefill_ms(target, drafter, prompts, repeats, impls) -> float:
@@ -650,7 +676,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul-impl", choices=["auto", "xla", "pallas"], default="auto",
                    help="the projections: XLA (auto) or the Pallas skinny matmul")
     p.add_argument("--generate", action="store_true",
-                   help="also run part 3: generate() end to end next to the jitted round, and the prefill")
+                   help="also run part 3: generate() end to end next to the jitted round")
+    p.add_argument("--prefill", action="store_true",
+                   help="also run part 4: the prefill of each batch and context against its matmul-FLOP roofline")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul rate of the prefill roofline")
     p.add_argument("--mesh-check", action="store_true",
                    help="also time the first budget's round under a one-device mesh vs without (XLA attention)")
@@ -689,7 +717,8 @@ def run_from_args(args) -> int:
     checks.flags(args, [("temperature", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
                         ("top_k", lambda v: v >= 0, ">= 0"), ("topk_cap", lambda v: v >= 0, ">= 0"),
                         ("repeats", lambda v: v >= 1, ">= 1"), ("new_tokens", lambda v: v >= 1, ">= 1"),
-                        ("hbm_tbps", lambda v: v > 0, "> 0"), ("profile_ops", lambda v: v >= 1, ">= 1"),
+                        ("hbm_tbps", lambda v: v > 0, "> 0"), ("peak_tflops", lambda v: v > 0, "> 0"),
+                        ("profile_ops", lambda v: v >= 1, ">= 1"),
                         ("draft_vocab", lambda v: v >= 0, ">= 0 (0 = the whole vocabulary)"),
                         ("draft_temperature", lambda v: math.isfinite(v) and v > 0, "finite and > 0")])
     device = jax.devices()[0].device_kind
@@ -698,7 +727,7 @@ def run_from_args(args) -> int:
                             date=time.strftime("%Y-%m-%d"), command=command_line(),
                             settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                                       if k != "func"}),
-                  shapes=[], generate=[], embedded=[])
+                  shapes=[], generate=[], prefill=[], embedded=[])
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def emitter(part):
@@ -712,6 +741,8 @@ def run_from_args(args) -> int:
         write_cost_table(result, args.out)
     if args.generate:
         bench_generate(args, emitter("generate"))
+    if args.prefill:
+        bench_prefill(args, emitter("prefill"))
     if args.embedded:
         bench_embedded(args, emitter("embedded"))
     args.out.write_text(json.dumps(result, indent=1))
