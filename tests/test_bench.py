@@ -124,6 +124,9 @@ def test_generate_and_prefill_parts_on_tiny_shapes(tmp_path, capsys):
         assert row["tflop"] == pytest.approx(bench.prefill_flops(target, 1, row["context"]) / 1e12)
         assert row["tflops"] == pytest.approx(1e3 * row["tflop"] / row["prefill_ms"])
         assert row["roofline_ms"] is None and row["over_roofline"] is None
+        # the layer's widest matrix (gate and up: 64 x 256) over the prompt's rows
+        assert row["gemm_shape"] == [row["context"], 64, 256] and row["gemm_tflops"] > 0
+        assert row["over_gemm"] == pytest.approx(row["gemm_tflops"] / row["tflops"])
     assert "batch 1 context 24: prefill" in printed and "roofline n/a on a CPU" in printed
 
 

@@ -552,23 +552,37 @@ def bench_generate(args, emit) -> None:
 
 def bench_prefill(args, emit) -> None:
     """Part 4: the engine's prefill of a prompt of each context's length (the target's KV cache and the
-    drafter's context of every prompt token) at the shapes of part 1, per batch and context, against
-    its matmul-FLOP roofline (`prefill_flops` at ``--peak-tflops``; accelerators only)."""
+    drafter's context of every prompt token) at the shapes of part 1, per batch and context, against its
+    matmul FLOPs (`prefill_flops`) at ``--peak-tflops`` (accelerators only) and at the rate XLA's product
+    of the target's widest matrix reaches over the same rows in the same process (`gemm_tflops`)."""
     target, drafter = make_models(args.shapes, args.draft_vocab)
     impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
                  build_impl=args.build_impl)
+    widest = max((x for x in jax.tree_util.tree_leaves(target.params.layers[0]) if x.ndim == 2), key=lambda x: x.size)
     for batch in args.batches:
         for context in args.contexts:
             ms = _prefill_ms(target, drafter, random_prompts(target, batch, context), args.repeats, impls)
             flops = prefill_flops(target, batch, context)
+            gemm = gemm_tflops(batch * context, *widest.shape, target.dtype, args.repeats)
             roofline_ms = None if jax.default_backend() == "cpu" else 1e3 * flops / (args.peak_tflops * 1e12)
             row = dict(batch=batch, context=context, prefill_ms=ms, tflop=flops / 1e12, tflops=flops / ms / 1e9,
-                       roofline_ms=roofline_ms, over_roofline=roofline_ms and ms / roofline_ms)
+                       roofline_ms=roofline_ms, over_roofline=roofline_ms and ms / roofline_ms,
+                       gemm_shape=[batch * context, *widest.shape], gemm_tflops=gemm,
+                       over_gemm=ms / (1e3 * flops / (gemm * 1e12)))
             floor = ("roofline n/a on a CPU" if roofline_ms is None else
                      f"{ms / roofline_ms:.2f}x its {roofline_ms:.2f} ms at {args.peak_tflops:.0f} TFLOP/s")
             emit(row)
             print(f"batch {batch} context {context}: prefill {ms:.2f} ms = {row['tflops']:.1f} TFLOP/s "
-                  f"({row['tflop']:.2f} TFLOP; {floor})", flush=True)
+                  f"({row['tflop']:.2f} TFLOP; {floor}; {row['over_gemm']:.2f}x its time at the {gemm:.1f} TFLOP/s "
+                  f"of a {' x '.join(map(str, row['gemm_shape']))} product)", flush=True)
+
+
+def gemm_tflops(rows: int, k: int, n: int, dtype, repeats: int) -> float:
+    """TFLOP/s of XLA's product of a random (rows, k) and (k, n) matrix in ``dtype``, median of ``repeats``."""
+    a_MK = jax.random.normal(jax.random.key(0), (rows, k), dtype)
+    b_KN = jax.random.normal(jax.random.key(1), (k, n), dtype)
+    product = jax.jit(jnp.matmul)
+    return 2 * rows * k * n / median_ms(lambda: product(a_MK, b_KN), repeats) / 1e9
 
 
 def random_prompts(target, batch: int, context: int) -> list[list[int]]:
