@@ -379,8 +379,7 @@ def bench_shapes(args, emit) -> None:
     on_cpu = jax.default_backend() == "cpu"  # no HBM: a bandwidth floor means nothing there
     if on_cpu:
         print("roofline n/a on a CPU", flush=True)
-    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
-                 build_impl=args.build_impl)
+    impls = kernel_impls(args)
     rows, total = 0, len(args.batches) * len(args.contexts) * len(args.budgets)
     for batch in args.batches:
         sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
@@ -518,8 +517,7 @@ def bench_generate(args, emit) -> None:
     tokens/s, the time to the first streamed token (prefill and first round, warm), the jitted round
     alone and their ratio."""
     target, drafter = make_models(args.shapes, args.draft_vocab)
-    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
-                 build_impl=args.build_impl)
+    impls = kernel_impls(args)
     methods = [("ar", 1), ("chain", 1)] + [("ddtree", b) for b in args.budgets]
     for batch in args.batches:
         sampling = constant_sampling(batch, args.temperature, args.top_k, args.top_p)
@@ -556,8 +554,7 @@ def bench_prefill(args, emit) -> None:
     matmul FLOPs (`prefill_flops`) at ``--peak-tflops`` (accelerators only) and at the rate XLA's product
     of the target's widest matrix reaches over the same rows in the same process (`gemm_tflops`)."""
     target, drafter = make_models(args.shapes, args.draft_vocab)
-    impls = dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
-                 build_impl=args.build_impl)
+    impls = kernel_impls(args)
     widest = max((x for x in jax.tree_util.tree_leaves(target.params.layers[0]) if x.ndim == 2), key=lambda x: x.size)
     for batch in args.batches:
         for context in args.contexts:
@@ -583,6 +580,12 @@ def gemm_tflops(rows: int, k: int, n: int, dtype, repeats: int) -> float:
     b_KN = jax.random.normal(jax.random.key(1), (k, n), dtype)
     product = jax.jit(jnp.matmul)
     return 2 * rows * k * n / median_ms(lambda: product(a_MK, b_KN), repeats) / 1e9
+
+
+def kernel_impls(args) -> dict:
+    """The ``*_impl`` flags as `engine.generate` / `engine.make_spec` keyword arguments."""
+    return dict(attention_impl=args.attention_impl, sampler_impl=args.sampler_impl, matmul_impl=args.matmul_impl,
+                build_impl=args.build_impl)
 
 
 def random_prompts(target, batch: int, context: int) -> list[list[int]]:
