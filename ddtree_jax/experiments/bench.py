@@ -496,8 +496,8 @@ def profile_programs(args, row, programs, tag: str, decode_device_ms: float | No
 def prefill_flops(target, batch: int, length: int) -> float:
     """Matmul FLOPs of a causal prefill of ``length`` tokens: 2 per weight of every matrix a token goes
     through (of a MoE layer's stacked experts, the ``num_experts_per_tok`` it is routed to; the norms'
-    vectors are no products), the LM head for the last token only, plus the causal half of the
-    attention's scores and values."""
+    vectors are no products) plus the causal half of the attention's scores and values. No LM head: the
+    engine's prefill computes no logits (the last prompt token is the first round's root)."""
     cfg, p = target.config, target.params
     per_token = 0.0
     for leaf in jax.tree_util.tree_leaves(p.layers):
@@ -505,9 +505,8 @@ def prefill_flops(target, batch: int, length: int) -> float:
             per_token += leaf.size
         elif leaf.ndim == 3:  # experts stacked on the first axis
             per_token += leaf.size / leaf.shape[0] * cfg.num_experts_per_tok
-    head = (p.embed if p.lm_head is None else p.lm_head).size
     attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * length * length / 2
-    return batch * (2 * per_token * length + 2 * head + attention)
+    return batch * (2 * per_token * length + attention)
 
 
 def bench_generate(args, emit) -> None:
