@@ -104,7 +104,7 @@ def test_generate_and_prefill_parts_on_tiny_shapes(tmp_path, capsys):
     """Part 3 times generate() per round next to the jitted round; part 4 the prefill, its FLOP rate
     from `prefill_flops` (no roofline on a CPU)."""
     out = tmp_path / "bench.json"
-    argv = ["bench", "--shapes", "tiny", "--skip-shapes", "--generate", "--prefill", "--contexts", "16,24",
+    argv = ["bench", "--shapes", "tiny", "--skip-shapes", "--generate", "--prefill", "--profile", "--contexts", "16,24",
             "--budgets", "4", "--new-tokens", "5", "--repeats", "1", "--out", str(out)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
@@ -127,6 +127,7 @@ def test_generate_and_prefill_parts_on_tiny_shapes(tmp_path, capsys):
         # the layer's widest matrix (gate and up: 64 x 256) over the prompt's rows
         assert row["gemm_shape"] == [row["context"], 64, 256] and row["gemm_tflops"] > 0
         assert row["over_gemm"] == pytest.approx(row["gemm_tflops"] / row["tflops"])
+        assert row["profile"] == {}  # traced; a CPU records no device plane
     assert "batch 1 context 24: prefill" in printed and "roofline n/a on a CPU" in printed
 
 

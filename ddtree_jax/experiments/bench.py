@@ -551,13 +551,15 @@ def bench_prefill(args, emit) -> None:
     """Part 4: the engine's prefill of a prompt of each context's length (the target's KV cache and the
     drafter's context of every prompt token) at the shapes of part 1, per batch and context, against its
     matmul FLOPs (`prefill_flops`) at ``--peak-tflops`` (accelerators only) and at the rate XLA's product
-    of the target's widest matrix reaches over the same rows in the same process (`gemm_tflops`)."""
+    of the target's widest matrix reaches over the same rows in the same process (`gemm_tflops`); with
+    ``--profile`` its device ops summed by kind."""
     target, drafter = make_models(args.shapes, args.draft_vocab)
     impls = kernel_impls(args)
     widest = max((x for x in jax.tree_util.tree_leaves(target.params.layers[0]) if x.ndim == 2), key=lambda x: x.size)
     for batch in args.batches:
         for context in args.contexts:
-            ms = _prefill_ms(target, drafter, random_prompts(target, batch, context), args.repeats, impls)
+            run = prefill_runner(target, drafter, random_prompts(target, batch, context), impls)
+            ms = median_ms(run, args.repeats)
             flops = prefill_flops(target, batch, context)
             gemm = gemm_tflops(batch * context, *widest.shape, target.dtype, args.repeats)
             roofline_ms = None if jax.default_backend() == "cpu" else 1e3 * flops / (args.peak_tflops * 1e12)
@@ -567,10 +569,13 @@ def bench_prefill(args, emit) -> None:
                        over_gemm=ms / (1e3 * flops / (gemm * 1e12)))
             floor = ("roofline n/a on a CPU" if roofline_ms is None else
                      f"{ms / roofline_ms:.2f}x its {roofline_ms:.2f} ms at {args.peak_tflops:.0f} TFLOP/s")
-            emit(row)
             print(f"batch {batch} context {context}: prefill {ms:.2f} ms = {row['tflops']:.1f} TFLOP/s "
                   f"({row['tflop']:.2f} TFLOP; {floor}; {row['over_gemm']:.2f}x its time at the {gemm:.1f} TFLOP/s "
                   f"of a {' x '.join(map(str, row['gemm_shape']))} product)", flush=True)
+            if args.profile:
+                row["profile"] = summary = profiling.device_op_times(run, calls=2, top=args.profile_ops)
+                print("  profile of the prefill:\n" + profiling.format_summary(summary), flush=True)
+            emit(row)
 
 
 def gemm_tflops(rows: int, k: int, n: int, dtype, repeats: int) -> float:
@@ -592,13 +597,14 @@ def random_prompts(target, batch: int, context: int) -> list[list[int]]:
     return np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, context)).tolist()
 
 
-def _prefill_ms(target, drafter, prompts, repeats, impls) -> float:
-    """Median ms of the engine's prefill of ``prompts`` (target cache and drafter context)."""
+def prefill_runner(target, drafter, prompts, impls):
+    """A call of the engine's jitted prefill of ``prompts`` (target cache and drafter context) that
+    returns the state's root to block on."""
     spec = engine.make_spec(target, drafter, "ddtree", 16, None, **impls)
     prompt_BT, lengths_B = jnp.asarray(prompts, jnp.int32), jnp.full((len(prompts),), len(prompts[0]), jnp.int32)
     fn = functools.partial(engine.prefill, target, drafter, prompt_BT, lengths_B, spec=spec,
                            max_len=prompt_BT.shape[1] + 64, max_new_tokens=32)
-    return median_ms(lambda: fn().root, repeats)
+    return lambda: fn().root
 
 
 def bench_embedded(args, emit) -> None:
@@ -702,7 +708,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time each round back to back with the XLA tree build (--build-impl xla), for comparison")
     p.add_argument("--profile", action="store_true",
                    help="also trace the decode step and each budget's round and sum their device ops, by "
-                        "kind and by the round's step")
+                        "kind and by the round's step (and the prefill, by kind, with --prefill)")
     p.add_argument("--hlo", action="store_true",
                    help="with --profile, also write each profiled program's optimized HLO next to the JSON")
     p.add_argument("--profile-ops", type=int, default=15, help="ops kept per profile in the JSON, the longest first")
