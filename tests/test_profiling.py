@@ -13,6 +13,9 @@ from ddtree_jax.experiments import profiling
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "matmul"), ("nvjet_hsh_128x64", "matmul"),
     ("tree_attention", "tree attention kernel"), ("tree_sample", "fused sampler"),
     ("dynamic-update-slice.3", "data movement"), ("input_reduce_fusion_12", "other"),
+    ("residual_norm__1", "residual + RMSNorm kernel"), ("tree_build_wide_depth", "tree build kernels"),
+    ("top_k_select", "tree build kernels"), ("kv_write", "data movement"),
+    ("qk_norm_rope_write", "q/k norm + RoPE kernel"),
 ])
 def test_op_kinds(name, kind):
     assert profiling.op_kind(name) == kind

@@ -34,9 +34,11 @@ KINDS = (
     ("tree attention kernel", ("tree_attention",)),
     ("q/k norm + RoPE kernel", ("qk_norm_rope",)),
     ("fused sampler", ("tree_sample",)),
+    ("residual + RMSNorm kernel", ("residual_norm",)),
+    ("tree build kernels", ("tree_build", "top_k_merge", "top_k_select")),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "dot")),
     ("data movement", ("copy", "scatter", "dynamic_update_slice", "dynamic-update-slice", "memcpy", "memset",
-                       "transpose", "concatenate", "gather")),
+                       "transpose", "concatenate", "gather", "kv_write")),
 )
 
 
