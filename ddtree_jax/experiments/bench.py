@@ -680,11 +680,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         return f"(default: {full}; with --shapes tiny {tiny})"
 
     p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b",
-                   help="model shapes of part 1; tiny also makes the knobs below tiny")
+                   help="model shapes of parts 1, 3 and 4; tiny also makes the knobs below tiny")
     p.add_argument("--skip-shapes", action="store_true", help="skip part 1")
-    p.add_argument("--batches", type=int_list, help="part 1 batch sizes " + preset("batches"))
-    p.add_argument("--contexts", type=int_list, help="part 1 committed context lengths " + preset("contexts"))
-    p.add_argument("--budgets", type=_budgets, help="part 1 DDTree node budgets " + preset("budgets"))
+    p.add_argument("--batches", type=int_list, help="batch sizes of parts 1, 3 and 4 " + preset("batches"))
+    p.add_argument("--contexts", type=int_list,
+                   help="committed context lengths of part 1, prompt lengths of parts 3 and 4 " + preset("contexts"))
+    p.add_argument("--budgets", type=_budgets, help="DDTree node budgets of parts 1 and 3 " + preset("budgets"))
     p.add_argument("--topk-cap", type=int, default=0, help="per-depth top-k cap of the tree (0 = none)")
     p.add_argument("--temperature", type=float, default=1.0, help="target temperature of part 1 (0 = greedy)")
     p.add_argument("--top-k", type=int, default=0, help="target top-k of part 1 (0 = off)")
