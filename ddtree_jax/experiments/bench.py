@@ -562,13 +562,14 @@ def bench_prefill(args, emit) -> None:
             ms = median_ms(run, args.repeats)
             flops = prefill_flops(target, batch, context)
             gemm = gemm_tflops(batch * context, *widest.shape, target.dtype, args.repeats)
+            tflops = flops / ms / 1e9
             roofline_ms = None if jax.default_backend() == "cpu" else 1e3 * flops / (args.peak_tflops * 1e12)
-            row = dict(batch=batch, context=context, prefill_ms=ms, tflop=flops / 1e12, tflops=flops / ms / 1e9,
-                       roofline_ms=roofline_ms, over_roofline=roofline_ms and ms / roofline_ms,
-                       gemm_shape=[batch * context, *widest.shape], gemm_tflops=gemm,
-                       over_gemm=ms / (1e3 * flops / (gemm * 1e12)))
+            over_roofline = None if roofline_ms is None else ms / roofline_ms
+            row = dict(batch=batch, context=context, prefill_ms=ms, tflop=flops / 1e12, tflops=tflops,
+                       roofline_ms=roofline_ms, over_roofline=over_roofline,
+                       gemm_shape=[batch * context, *widest.shape], gemm_tflops=gemm, over_gemm=gemm / tflops)
             floor = ("roofline n/a on a CPU" if roofline_ms is None else
-                     f"{ms / roofline_ms:.2f}x its {roofline_ms:.2f} ms at {args.peak_tflops:.0f} TFLOP/s")
+                     f"{over_roofline:.2f}x its {roofline_ms:.2f} ms at {args.peak_tflops:.0f} TFLOP/s")
             print(f"batch {batch} context {context}: prefill {ms:.2f} ms = {row['tflops']:.1f} TFLOP/s "
                   f"({row['tflop']:.2f} TFLOP; {floor}; {row['over_gemm']:.2f}x its time at the {gemm:.1f} TFLOP/s "
                   f"of a {' x '.join(map(str, row['gemm_shape']))} product)", flush=True)
