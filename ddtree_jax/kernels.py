@@ -240,6 +240,12 @@ QKV_PARTIALS = {(9, 0)}
 # 2.4% less device time (BENCHMARKS.md). XLA's own split of the q/k/v product is 4 chunks at 16 and 64 rows.
 SPLIT_K_MAX_CHUNK = 1536
 SPLIT_K_MIN_CHUNKS = 4
+# Products of more rows than this (a prefill's) stay XLA's GEMM, without the split-K above: its float32
+# partials, chunks x M x N of them written and read again, outweigh the weights from about 512 rows (the
+# attention output's 4 chunks), and XLA's GEMM has rows enough to fill the GPU. In one process on an H100 the
+# prefill of an 8k prompt took 403 ms against 422 with the split-K, and of a 1k prompt 31.7 against 35.9
+# (BENCHMARKS.md). The split-K was measured up to 8 requests of 65 rows.
+SPLIT_K_MAX_ROWS = 8 * 65
 
 
 def matmul_fn(impl: str, mesh: Mesh | None = None):
@@ -254,7 +260,8 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
     ``auto`` is XLA everywhere (measured): its products of few rows padded (`XLA_MIN_ROWS`) on a GPU
     listed there and without a mesh, its products of many rows with a residual and ``then_norm_N``
     finished by the `residual_norm` kernel (`residual_norm_product`, `RESIDUAL_NORM_MIN_ROWS`), and its
-    products asked ``with_partials`` written as a split-K (`partials_product`, `QKV_PARTIALS`);
+    products asked ``with_partials`` written as a split-K (`partials_product`, `QKV_PARTIALS`), both up
+    to `SPLIT_K_MAX_ROWS` rows;
     ``"pallas"`` is the skinny-matmul kernel, tiled by the device's `configs.matmul_policy`; it is not
     partitioned, so under a ``mesh`` only the XLA path runs."""
     impl = check_impl("matmul_impl", impl)
@@ -265,11 +272,12 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
         product = matmul_reference if min_rows is None else rows_padded(matmul_reference, min_rows)
         if not (local and pallas_gpu()):
             return product
+        plain = product
         if capability in RESIDUAL_NORM_MIN_ROWS:
             product = residual_norm_product(product, RESIDUAL_NORM_MIN_ROWS[capability], split_k_chunks)
         if capability in QKV_PARTIALS:
             product = partials_product(product, min_rows or 1, split_k_chunks)
-        return product
+        return up_to_rows(product, plain, SPLIT_K_MAX_ROWS)
     if mesh is not None:
         raise ValueError(f"matmul_impl={impl!r} does not run under a mesh (the kernel is not partitioned); "
                          f"use 'auto' or 'xla'")
@@ -283,6 +291,15 @@ def matmul_fn(impl: str, mesh: Mesh | None = None):
         return (y_MN, None) if then_norm_N is not None or with_partials else y_MN
 
     return product
+
+
+def up_to_rows(product, plain, max_rows: int):
+    """``product`` for an ``x`` of at most ``max_rows`` rows and ``plain`` for more (both with the signature of
+    ``matmul_reference``), chosen when traced."""
+    def bounded(x_MK, w_KN, **kwargs):
+        return (product if x_MK.shape[0] <= max_rows else plain)(x_MK, w_KN, **kwargs)
+
+    return bounded
 
 
 def rows_padded(product, min_rows: int):

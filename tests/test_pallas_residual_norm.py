@@ -165,13 +165,30 @@ def test_auto_matmul_finishes_many_rows_by_the_kernel_on_hopper(monkeypatch):
                         lambda product, rows, splits: calls.append(("norm", rows, splits)) or "norm")
     monkeypatch.setattr(kernels, "partials_product",
                         lambda product, rows, splits: calls.append((product, rows, splits)) or "partials")
-    assert kernels.matmul_fn("auto") == "partials"
+    monkeypatch.setattr(kernels, "up_to_rows", lambda product, plain, rows: (product, plain.__name__, rows))
+    auto, plain, max_rows = kernels.matmul_fn("auto")
+    assert auto == "partials" and plain == "padded" and max_rows == kernels.SPLIT_K_MAX_ROWS
     assert calls == [("norm", kernels.RESIDUAL_NORM_MIN_ROWS[(9, 0)], kernels.split_k_chunks),
                      ("norm", kernels.XLA_MIN_ROWS[(9, 0)], kernels.split_k_chunks)]
     assert kernels.matmul_fn("auto", make_mesh(1, 1)) is matmul_reference and len(calls) == 2
     assert kernels.matmul_fn("xla") is matmul_reference
     y, normed = matmul_reference(jnp.ones((2, 4)), jnp.ones((4, 3)), then_norm_N=jnp.ones(3))
     assert normed is None and y.shape == (2, 3)
+
+
+def test_products_of_more_rows_than_the_bound_run_plain():
+    """`up_to_rows`: a product of at most the bound's rows is the split one, of more the plain one, with
+    every keyword passed on."""
+    seen = []
+
+    def named(name):
+        return lambda x, w, **kwargs: seen.append((name, x.shape[0], kwargs)) or name
+
+    bounded = kernels.up_to_rows(named("split"), named("plain"), 4)
+    w = jnp.ones((3, 2))
+    assert [bounded(jnp.ones((m, 3)), w, then_norm_N=m) for m in (1, 4, 5, 9)] == ["split", "split", "plain", "plain"]
+    assert seen == [(n, m, {"then_norm_N": m}) for n, m in (("split", 1), ("split", 4), ("plain", 5), ("plain", 9))]
+    assert kernels.SPLIT_K_MAX_ROWS >= 8 * 65  # the verify forwards of 8 requests keep the measured split-K
 
 
 def test_split_k_chunks_cut_k_into_the_fewest_short_chunks(monkeypatch):
