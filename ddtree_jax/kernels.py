@@ -246,7 +246,7 @@ SPLIT_K_MIN_CHUNKS = 4
 # partials, chunks x M x N of them written and read again, outweigh the weights from about 512 rows (the
 # attention output's 4 chunks), and XLA's GEMM has rows enough to fill the GPU. In one process on an H100 the
 # prefill of an 8k prompt took 403 ms against 422 with the split-K, and of a 1k prompt 31.7 against 35.9
-# (BENCHMARKS.md). The split-K was measured up to 8 requests of 65 rows.
+# (BENCHMARKS.md, 2026-12-07). The split-K was measured up to 8 requests of 65 rows.
 SPLIT_K_MAX_ROWS = 8 * 65
 
 
